@@ -1,0 +1,111 @@
+"""The settings table: every feature as a tiny configuration that the generic tests drive.
+
+Each row says how to build the model, the data and the Trainer arguments that switch the feature on,
+and which bad inputs must be rejected with which message. Generic tests
+(`tests/test_settings_integration.py`) check for every row that it fits on 2 CPU ranks with identical
+replicas, that a run stopped and resumed from a checkpoint ends where the uninterrupted run ends, and
+that each bad input raises its error. A new feature adds its row here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import lightning as L
+
+from lightning_bigtrain.callbacks import RunReport
+from lightning_bigtrain.data import FashionMNISTDataModule, ShakespeareDataModule
+from lightning_bigtrain.models import CharGPT, FashionCNN
+
+__all__ = ["SETTINGS", "BadInput", "Setting", "by_name"]
+
+
+@dataclass(frozen=True)
+class BadInput:
+    """A call that must raise ``error`` with a message matching the regex ``match``."""
+
+    id: str
+    call: Callable[[], Any]
+    error: type[Exception]
+    match: str
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One feature in a tiny configuration.
+
+    Attributes:
+        name: Row id (used as the pytest id).
+        model: Builds the LightningModule.
+        data: Builds the LightningDataModule (small real-data subset).
+        trainer_kwargs: Builds the feature's Trainer arguments (strategy, plugins, callbacks); a factory
+            because callbacks and strategies hold state.
+        bad_inputs: Calls that must be rejected.
+        resume_atol: Allowed difference between resumed and uninterrupted weights, with its reason.
+    """
+
+    name: str
+    model: Callable[[], L.LightningModule]
+    data: Callable[[], L.LightningDataModule]
+    trainer_kwargs: Callable[[], dict[str, Any]]
+    bad_inputs: tuple[BadInput, ...] = field(default=())
+    resume_atol: float = 0.0
+
+
+def _tiny_cnn() -> FashionCNN:
+    return FashionCNN(channels=(8, 16))
+
+
+def _tiny_fashion() -> FashionMNISTDataModule:
+    return FashionMNISTDataModule(batch_size=16, subset=96)
+
+
+def _tiny_gpt() -> CharGPT:
+    return CharGPT(block_size=32, n_layer=2, n_head=2, n_embd=32, warmup_steps=2)
+
+
+def _tiny_shakespeare() -> ShakespeareDataModule:
+    return ShakespeareDataModule(block_size=32, batch_size=8, subset=48)
+
+
+def _ddp_with_report() -> dict[str, Any]:
+    return {"strategy": "ddp", "callbacks": [RunReport(verbose=False, warmup_steps=0)]}
+
+
+SETTINGS: tuple[Setting, ...] = (
+    # Plain Lightning DDP on the reference models: the baseline every feature is compared with.
+    # Resume is exact: gloo's 2-rank all-reduce is deterministic and the models use no dropout.
+    Setting(
+        name="ddp_cnn",
+        model=_tiny_cnn,
+        data=_tiny_fashion,
+        trainer_kwargs=_ddp_with_report,
+        bad_inputs=(
+            BadInput("cnn_channels", lambda: FashionCNN(channels=()), ValueError, r"FashionCNN\(channels=\(\)\)"),
+            BadInput("fashion_batch", lambda: FashionMNISTDataModule(batch_size=0), ValueError, r"batch_size must be >= 1"),
+            BadInput("report_warmup", lambda: RunReport(warmup_steps=-1), ValueError, r"RunReport\(warmup_steps=-1\)"),
+            BadInput("report_path", lambda: RunReport(path="r.txt"), ValueError, r"ending in `\.md`"),
+        ),
+    ),
+    Setting(
+        name="ddp_gpt",
+        model=_tiny_gpt,
+        data=_tiny_shakespeare,
+        trainer_kwargs=_ddp_with_report,
+        bad_inputs=(
+            BadInput("gpt_heads", lambda: CharGPT(n_embd=30, n_head=4), ValueError, r"n_head must divide n_embd"),
+            BadInput("gpt_dropout", lambda: CharGPT(dropout=1.0), ValueError, r"CharGPT\(dropout=1\.0\)"),
+            BadInput("shakespeare_split", lambda: ShakespeareDataModule(val_fraction=0.6, test_fraction=0.5),
+                     ValueError, r"sum to less than 1"),
+        ),
+    ),
+)  # fmt: skip
+
+
+def by_name(name: str) -> Setting:
+    for s in SETTINGS:
+        if s.name == name:
+            return s
+    raise KeyError(name)

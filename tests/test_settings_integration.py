@@ -1,0 +1,115 @@
+"""Generic tests over the settings table: fit on 2 gloo ranks, exact resume, bad input rejected."""
+
+from __future__ import annotations
+
+import math
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from tests.helpers.distributed import run_on_ranks
+from tests.helpers.settings import SETTINGS, by_name
+
+pytestmark = pytest.mark.integration
+
+_COMMON = dict(
+    accelerator="cpu",
+    devices=2,
+    logger=False,
+    enable_progress_bar=False,
+    enable_model_summary=False,
+    num_sanity_val_steps=0,
+    deterministic=True,
+)
+
+
+def _flat_params(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
+
+
+def _flat_state(model: torch.nn.Module) -> torch.Tensor:
+    """Parameters and buffers (BatchNorm running statistics included)."""
+    return torch.cat([t.detach().reshape(-1).float() for t in model.state_dict().values() if t.is_floating_point()])
+
+
+def _fit(rank: int, name: str) -> dict:
+    setting = by_name(name)
+    L.seed_everything(0, verbose=False)
+    model = setting.model()
+    trainer = L.Trainer(max_steps=4, limit_val_batches=2, enable_checkpointing=False, **_COMMON,
+                        **setting.trainer_kwargs())  # fmt: skip
+    trainer.fit(model, datamodule=setting.data())
+    return {
+        "global_step": trainer.global_step,
+        "loss": float(trainer.callback_metrics["train_loss"]),
+        "weights": _flat_params(model),
+    }
+
+
+@pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: s.name)
+def test_fits_on_two_ranks_with_identical_replicas(setting):
+    results = run_on_ranks(_fit, setting.name, init_process_group=False)
+    for r in results:
+        assert r["global_step"] == 4
+        assert math.isfinite(r["loss"])
+    # Data-parallel replicas must hold bit-identical parameters (buffers such as BatchNorm statistics
+    # are per rank between DDP's broadcasts).
+    assert torch.equal(results[0]["weights"], results[1]["weights"])
+
+
+class _Interrupt(L.Callback):
+    """Stops a run configured for more epochs after ``epochs`` epochs, as a pre-empted job would;
+    records the step training started from (to prove a resumed run did not start over)."""
+
+    def __init__(self, epochs: int | None = None) -> None:
+        self.epochs = epochs
+        self.start_step = -1
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.start_step = trainer.global_step
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.epochs is not None and trainer.current_epoch + 1 >= self.epochs:
+            trainer.should_stop = True
+
+
+def _fit_and_resume(rank: int, name: str, ckpt_dir: str) -> dict:
+    setting = by_name(name)
+    kwargs = dict(limit_train_batches=3, limit_val_batches=1, **_COMMON)
+
+    def run(stop_after: int | None, ckpt_path: str | None) -> torch.Tensor:
+        L.seed_everything(0, verbose=False)
+        model = setting.model()
+        extra = setting.trainer_kwargs()
+        probe = _Interrupt(stop_after)
+        extra.setdefault("callbacks", []).append(probe)
+        if stop_after is not None:
+            extra["callbacks"].append(ModelCheckpoint(dirpath=ckpt_dir, save_last=True))
+        trainer = L.Trainer(max_epochs=2, enable_checkpointing=stop_after is not None, **kwargs, **extra)
+        trainer.fit(model, datamodule=setting.data(), ckpt_path=ckpt_path)
+        assert trainer.global_step == 3 * (stop_after or 2)
+        assert probe.start_step == (3 if ckpt_path else 0), "the resumed run did not continue from step 3"
+        return _flat_state(model)
+
+    uninterrupted = run(None, None)
+    run(1, None)
+    resumed = run(None, f"{ckpt_dir}/last.ckpt")
+    return {"uninterrupted": uninterrupted, "resumed": resumed}
+
+
+@pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: s.name)
+def test_resume_from_checkpoint_matches_uninterrupted_run(setting, tmp_path):
+    results = run_on_ranks(_fit_and_resume, setting.name, str(tmp_path), init_process_group=False)
+    for r in results:
+        torch.testing.assert_close(r["resumed"], r["uninterrupted"], rtol=0, atol=setting.resume_atol)
+
+
+_BAD = [(s, b) for s in SETTINGS for b in s.bad_inputs]
+
+
+@pytest.mark.parametrize(("setting", "bad"), _BAD, ids=[f"{s.name}-{b.id}" for s, b in _BAD])
+def test_rejects_bad_input(setting, bad):
+    with pytest.raises(bad.error, match=bad.match):
+        bad.call()
