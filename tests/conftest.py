@@ -26,10 +26,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture
 def fashion_subset():
-    """Fashion-MNIST with 256 samples per split, batch 32 (real data, set up by `make data`)."""
+    """Fashion-MNIST with 1024 samples per split, batch 32 (real data, set up by `make data`)."""
     from lightning_bigtrain.data import FashionMNISTDataModule
 
-    return FashionMNISTDataModule(batch_size=32, subset=256)
+    return FashionMNISTDataModule(batch_size=32, subset=1024)
 
 
 @pytest.fixture

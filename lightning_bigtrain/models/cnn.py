@@ -31,7 +31,7 @@ class FashionCNN(L.LightningModule):
         channels: Sequence[int] = (32, 64, 128),
         num_classes: int = 10,
         in_channels: int = 1,
-        lr: float = 2e-3,
+        lr: float = 1e-2,
         weight_decay: float = 5e-4,
     ) -> None:
         super().__init__()

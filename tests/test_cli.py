@@ -1,0 +1,71 @@
+"""The `bigtrain` command: a real 2-rank fit from configs/demo.yaml, and clear errors for bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+BIGTRAIN = str(Path(sys.executable).with_name("bigtrain"))
+
+
+def _bigtrain(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "BIGTRAIN_DATA": os.environ.get("BIGTRAIN_DATA", str(ROOT / "data"))}
+    return subprocess.run([BIGTRAIN, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.integration
+def test_fit_demo_config_for_20_steps_on_two_ranks(tmp_path):
+    shutil.copy(ROOT / "configs" / "demo.yaml", tmp_path / "demo.yaml")
+    run = _bigtrain("fit", "--config", "demo.yaml", "--trainer.max_steps=20", "--trainer.val_check_interval=20",
+                    "--trainer.limit_val_batches=2", cwd=tmp_path)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads((tmp_path / "runs" / "cli-demo" / "report.json").read_text())
+    assert report["steps"] == 20 and report["world_size"] == 2 and report["strategy"] == "DDPStrategy"
+    assert report["train_loss_end"] < report["train_loss_start"]
+
+
+@pytest.mark.parametrize("config", sorted(p.name for p in (ROOT / "configs").glob("*.yaml")))
+def test_every_config_parses(config):
+    run = _bigtrain("fit", "--config", str(ROOT / "configs" / config), "--print_config", cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert yaml.safe_load(run.stdout)["model"]["class_path"].startswith("lightning_bigtrain.models.")
+
+
+def test_config_typo_is_named(tmp_path):
+    config = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())
+    config["trainer"]["max_stepz"] = config["trainer"].pop("max_steps")
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(config))
+    run = _bigtrain("fit", "--config", "bad.yaml", cwd=tmp_path)
+    assert run.returncode != 0
+    assert "max_stepz" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_unknown_strategy_name_gets_a_suggestion(tmp_path):
+    run = _bigtrain("fit", "--config", str(ROOT / "configs" / "demo.yaml"), "--trainer.strategy=dpp", cwd=tmp_path)
+    assert run.returncode != 0
+    assert "`trainer.strategy='dpp'` is not a known strategy name. Did you mean 'ddp'" in run.stderr
+    assert "Traceback" not in run.stderr
+
+
+def test_missing_data_names_make_data(tmp_path):
+    env_run = subprocess.run(
+        [BIGTRAIN, "fit", "--config", str(ROOT / "configs" / "demo.yaml"), "--trainer.max_steps=1"],
+        cwd=tmp_path, env={**os.environ, "BIGTRAIN_DATA": str(tmp_path / "nodata")},
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert env_run.returncode != 0
+    assert "Shakespeare is not set up" in env_run.stderr and "make data" in env_run.stderr
+    assert "Traceback" not in env_run.stderr
+
+
+def test_demo_rejects_bad_steps(tmp_path):
+    run = _bigtrain("demo", "--max-steps", "0", "--output", str(tmp_path), cwd=tmp_path)
+    assert run.returncode != 0 and "max-steps must be >= 1" in run.stderr and "Traceback" not in run.stderr
