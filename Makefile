@@ -44,11 +44,14 @@ test: venv data
 demo: venv data
 	$(VENV)/bin/bigtrain demo --output runs/demo
 
+# One script per area; each prints a table and writes benchmarks/results/<area>.json.
+BENCHES := ddp
+
 bench: venv data
-	$(PY) -m benchmarks.ddp
+	@set -e; for b in $(BENCHES); do $(PY) -m benchmarks.$$b; done
 
 bench-quick: venv data
-	$(PY) -m benchmarks.ddp --quick
+	@set -e; for b in $(BENCHES); do $(PY) -m benchmarks.$$b --quick --results-dir runs/bench-quick; done
 
 lint: venv
 	$(VENV)/bin/ruff check lightning_bigtrain tests benchmarks

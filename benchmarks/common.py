@@ -1,0 +1,161 @@
+"""Shared benchmark harness: A/B alternation, medians, ratios, machine info, JSON and README output.
+
+Protocol (DESIGN.md section 7): our component and its peer run in the same invocation, alternating
+(A B B A ...) so slow drift of the machine hits both alike; we report medians over repeats and ratios
+ours / peer. Absolute times are printed for context but never asserted anywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+__all__ = [
+    "RESULTS_DIR",
+    "alternate",
+    "machine_info",
+    "print_table",
+    "ratio",
+    "run_worker",
+    "set_flush_denormal",
+    "summarize",
+    "write_results",
+]
+
+
+def set_flush_denormal() -> None:
+    """Flush denormals to zero: losses decaying toward zero otherwise swing CPU timings up to 10x."""
+    import torch
+
+    torch.set_flush_denormal(True)
+
+
+def machine_info() -> dict[str, Any]:
+    """What the figures were measured on."""
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    info: dict[str, Any] = {
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    try:
+        import lightning
+
+        info["lightning"] = lightning.__version__
+    except ImportError:  # pragma: no cover
+        pass
+    return info
+
+
+def summarize(values: Sequence[float]) -> dict[str, Any]:
+    """Median, min, max and count of repeated measurements (the values themselves kept too)."""
+    if not values:
+        raise ValueError("summarize() needs at least one value.")
+    return {
+        "median": statistics.median(values),
+        "min": min(values),
+        "max": max(values),
+        "n": len(values),
+        "values": list(values),
+    }
+
+
+def ratio(ours: float, peer: float) -> float:
+    """ours / peer; a zero peer is an error, not an infinity."""
+    if peer == 0:
+        raise ZeroDivisionError("the peer's figure is 0; the ratio is undefined.")
+    return ours / peer
+
+
+def alternate(candidates: dict[str, Callable[[], Any]], repeats: int) -> dict[str, list[Any]]:
+    """Run every candidate ``repeats`` times, alternating the order each round (A B, B A, A B, ...).
+
+    Returns:
+        The results of each candidate, in the order they were measured.
+    """
+    if repeats < 1:
+        raise ValueError(f"`alternate(repeats={repeats})`: repeats must be >= 1.")
+    names = list(candidates)
+    results: dict[str, list[Any]] = {n: [] for n in names}
+    for round_ in range(repeats):
+        for name in names if round_ % 2 == 0 else reversed(names):
+            results[name].append(candidates[name]())
+    return results
+
+
+def run_worker(module: str, args: Sequence[str], timeout: float = 1800) -> dict[str, Any]:
+    """Run ``python -m module *args --out FILE`` in a fresh process and return the JSON it wrote.
+
+    Each measured configuration runs in its own process so that process launch, thread settings and
+    allocator state are the same for ours and the peer.
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        cmd = [sys.executable, "-m", module, *args, "--out", str(out)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        if proc.returncode != 0 or not out.exists():
+            raise RuntimeError(f"benchmark worker failed: {' '.join(cmd)}\n{proc.stderr[-4000:]}")
+        return json.loads(out.read_text())
+
+
+def write_results(area: str, payload: dict[str, Any], headline: str, results_dir: Path = RESULTS_DIR) -> Path:
+    """Write ``results/<area>.json`` and set this area's row in ``results/README.md``."""
+    results_dir.mkdir(parents=True, exist_ok=True)
+    path = results_dir / f"{area}.json"
+    path.write_text(json.dumps({"area": area, "machine": machine_info(), **payload}, indent=2) + "\n")
+    readme = results_dir / "README.md"
+    header = [
+        "# Benchmark results",
+        "",
+        "Written by `make bench` (each `benchmarks/<area>.py`); ratios are ours / peer, medians over repeats.",
+        "",
+        "| area | headline | measured | file |",
+        "|---|---|---|---|",
+    ]
+    rows = {}
+    if readme.exists():
+        for line in readme.read_text().splitlines():
+            if line.startswith("| ") and not line.startswith(("| area", "|---")):
+                rows[line.split("|")[1].strip()] = line
+    rows[area] = f"| {area} | {headline} | {time.strftime('%Y-%m-%d')} | [{path.name}]({path.name}) |"
+    readme.write_text("\n".join(header + [rows[k] for k in sorted(rows)]) + "\n")
+    return path
+
+
+def print_table(rows: list[dict[str, Any]], columns: Sequence[str]) -> str:
+    """A plain Markdown table of ``rows`` (dicts) restricted to ``columns``; printed and returned."""
+
+    def cell(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:.0f}" if abs(v) >= 100 else f"{v:.3g}"
+        return str(v)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(r.get(c, "")) for c in columns) + " |" for r in rows]
+    text = "\n".join(lines)
+    print(text, flush=True)
+    return text
