@@ -54,8 +54,8 @@ bench-quick: venv data
 	@set -e; for b in $(BENCHES); do $(PY) -m benchmarks.$$b --quick --results-dir runs/bench-quick; done
 
 lint: venv
-	$(VENV)/bin/ruff check lightning_bigtrain tests benchmarks
-	$(VENV)/bin/ruff format --check lightning_bigtrain tests benchmarks
+	$(VENV)/bin/ruff check lightning_bigtrain tests benchmarks tools
+	$(VENV)/bin/ruff format --check lightning_bigtrain tests benchmarks tools
 	$(VENV)/bin/mypy
 
 clean:

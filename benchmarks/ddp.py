@@ -78,6 +78,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     steps = {"cnn": 8 if args.quick else 60, "gpt": 6 if args.quick else 40}
     rows, figures = [], {}
     for model in MODELS:
+
         def run(devices: int, model: str = model) -> dict[str, Any]:
             return run_worker("benchmarks.ddp", ["--worker", "--model", model, "--devices", str(devices),
                                                  "--steps", str(steps[model])])  # fmt: skip

@@ -14,7 +14,7 @@ __version__ = "0.1.0"
 
 _SUBMODULES = ("callbacks", "cli", "data", "functional", "models", "warnings")
 
-__all__ = ["__version__", *_SUBMODULES]
+__all__ = ["__version__", "callbacks", "cli", "data", "functional", "models", "warnings"]
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from lightning_bigtrain import callbacks, cli, data, functional, models, warnings

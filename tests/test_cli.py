@@ -69,3 +69,15 @@ def test_missing_data_names_make_data(tmp_path):
 def test_demo_rejects_bad_steps(tmp_path):
     run = _bigtrain("demo", "--max-steps", "0", "--output", str(tmp_path), cwd=tmp_path)
     assert run.returncode != 0 and "max-steps must be >= 1" in run.stderr and "Traceback" not in run.stderr
+
+
+@pytest.mark.integration
+def test_demo_runs_and_writes_its_report(tmp_path):
+    run = _bigtrain("demo", "--max-steps", "12", "--output", str(tmp_path / "demo"), cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    text = (tmp_path / "demo" / "report.md").read_text()
+    report = json.loads((tmp_path / "demo" / "report.json").read_text())
+    assert report["world_size"] == 2 and report["steps"] == 12 and report["tokens_per_s"] > 0
+    assert report["val_loss_end"] < report["val_loss_start"]
+    assert len(report["peak_memory_bytes_per_rank"]) == 2
+    assert "tokens/s" in text and text.strip() in run.stdout

@@ -96,7 +96,9 @@ class RunReport(Callback):
         if pl_module.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(pl_module.device)
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if self._batches == self.warmup_steps:
             if pl_module.device.type == "cuda":
                 torch.cuda.synchronize(pl_module.device)
@@ -150,7 +152,7 @@ class RunReport(Callback):
             "strategy": type(trainer.strategy).__name__,
             "precision": str(trainer.precision),
             "plugins": [type(trainer.strategy.precision_plugin).__name__],
-            "callbacks": [type(c).__name__ for c in trainer.callbacks],
+            "callbacks": [type(c).__name__ for c in trainer.callbacks],  # type: ignore[attr-defined]
             "accelerator": type(trainer.accelerator).__name__,
             "world_size": trainer.world_size,
             "steps": trainer.global_step,
@@ -184,7 +186,7 @@ class RunReport(Callback):
         return {"val_losses": list(self._val_losses)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._val_losses = [tuple(v) for v in state_dict.get("val_losses", [])]  # type: ignore[misc]
+        self._val_losses = [(int(step), float(v)) for step, v in state_dict.get("val_losses", [])]
 
 
 def _fmt(value: Any, digits: int = 4) -> str:
@@ -207,7 +209,7 @@ def format_report(report: dict[str, Any]) -> str:
         ("callbacks", ", ".join(report["callbacks"]) or "-"),
         ("accelerator x world size", f"{report['accelerator']} x {report['world_size']}"),
         ("optimizer steps", report["steps"]),
-        ("train loss: first step -> last step", f"{_fmt(report['train_loss_start'])} -> {_fmt(report['train_loss_end'])}"),
+        ("train loss: first -> last step", f"{_fmt(report['train_loss_start'])} -> {_fmt(report['train_loss_end'])}"),
         ("val loss: start -> end", f"{_fmt(report['val_loss_start'])} -> {_fmt(report['val_loss_end'])}"),
         ("timed window", f"{report['timed_steps']} steps in {report['seconds']:.1f} s"),
         ("samples/s (all ranks)", _fmt(report["samples_per_s"], 1)),

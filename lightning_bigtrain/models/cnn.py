@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import lightning as L
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.utilities.types import OptimizerLRSchedulerConfig
 from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 
@@ -75,7 +76,7 @@ class FashionCNN(L.LightningModule):
         self.log("test_loss", F.cross_entropy(logits, y), sync_dist=True)
         self.log("test_acc", self.test_acc)
 
-    def configure_optimizers(self) -> dict:
+    def configure_optimizers(self) -> OptimizerLRSchedulerConfig:
         decay = [p for n, p in self.named_parameters() if p.ndim > 1]
         no_decay = [p for n, p in self.named_parameters() if p.ndim <= 1]
         optimizer = torch.optim.AdamW(

@@ -7,6 +7,7 @@ import math
 import lightning as L
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.utilities.types import OptimizerLRSchedulerConfig
 from torch import nn
 
 __all__ = ["Block", "CausalSelfAttention", "CharGPT"]
@@ -26,9 +27,7 @@ class CausalSelfAttention(nn.Module):
         b, t, c = x.shape
         q, k, v = self.qkv(x).split(c, dim=2)
         q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-        )
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
         return self.proj(y.transpose(1, 2).reshape(b, t, c))
 
 
@@ -148,7 +147,7 @@ class CharGPT(L.LightningModule):
             idx = torch.cat([idx, torch.multinomial(F.softmax(logits, dim=-1), 1)], dim=1)
         return idx
 
-    def configure_optimizers(self) -> dict:
+    def configure_optimizers(self) -> OptimizerLRSchedulerConfig:
         embeddings = {id(self.tok_emb.weight), id(self.pos_emb.weight)}
         decay = [p for p in self.parameters() if p.ndim >= 2 and id(p) not in embeddings]
         no_decay = [p for p in self.parameters() if p.ndim < 2 or id(p) in embeddings]
@@ -168,4 +167,3 @@ class CharGPT(L.LightningModule):
 
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
-

@@ -33,7 +33,11 @@ def test_write_results_keeps_one_row_per_area(tmp_path):
     write_results("x", {"figures": {"r": 1.0}}, "r = 1.00", tmp_path)
     write_results("a", {"figures": {}}, "first", tmp_path)
     write_results("x", {"figures": {"r": 2.0}}, "r = 2.00", tmp_path)
-    rows = [line for line in (tmp_path / "README.md").read_text().splitlines() if line.startswith("| ") and "area" not in line]
+    rows = [
+        line
+        for line in (tmp_path / "README.md").read_text().splitlines()
+        if line.startswith("| ") and "area" not in line
+    ]
     assert len(rows) == 2 and rows[0].startswith("| a |") and "r = 2.00" in rows[1]
     data = json.loads((tmp_path / "x.json").read_text())
     assert data["figures"]["r"] == 2.0 and data["machine"]["cpu_count"] >= 1

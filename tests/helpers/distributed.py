@@ -52,9 +52,7 @@ def _rank_entry(
         pickle.dump(result, f)
 
 
-def run_on_ranks(
-    fn: Callable[..., Any], *args: Any, world_size: int = 2, init_process_group: bool = True
-) -> list[Any]:
+def run_on_ranks(fn: Callable[..., Any], *args: Any, world_size: int = 2, init_process_group: bool = True) -> list[Any]:
     """Call ``fn(rank, *args)`` on ``world_size`` spawned processes; return the results by rank.
 
     The environment of each rank carries MASTER_ADDR/PORT, WORLD_SIZE, RANK and LOCAL_RANK, so a

@@ -84,7 +84,7 @@ SETTINGS: tuple[Setting, ...] = (
         trainer_kwargs=_ddp_with_report,
         bad_inputs=(
             BadInput("cnn_channels", lambda: FashionCNN(channels=()), ValueError, r"FashionCNN\(channels=\(\)\)"),
-            BadInput("fashion_batch", lambda: FashionMNISTDataModule(batch_size=0), ValueError, r"batch_size must be >= 1"),
+            BadInput("fashion_batch", lambda: FashionMNISTDataModule(batch_size=0), ValueError, r"batch_size must"),
             BadInput("report_warmup", lambda: RunReport(warmup_steps=-1), ValueError, r"RunReport\(warmup_steps=-1\)"),
             BadInput("report_path", lambda: RunReport(path="r.txt"), ValueError, r"ending in `\.md`"),
         ),

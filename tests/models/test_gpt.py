@@ -46,7 +46,11 @@ def test_too_long_input_is_rejected():
 
 @pytest.mark.parametrize(
     ("kwargs", "match"),
-    [({"n_layer": 0}, "n_layer=0"), ({"n_embd": 30, "n_head": 4}, "n_head must divide"), ({"dropout": -0.1}, "dropout")],
+    [
+        ({"n_layer": 0}, "n_layer=0"),
+        ({"n_embd": 30, "n_head": 4}, "n_head must divide"),
+        ({"dropout": -0.1}, "dropout"),
+    ],
 )
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
