@@ -25,13 +25,19 @@ _COMMON = dict(
 )
 
 
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor: sharded (DTensor) parameters are gathered."""
+    full_tensor = getattr(t, "full_tensor", None)
+    return (full_tensor() if callable(full_tensor) else t).detach().reshape(-1).float()
+
+
 def _flat_params(model: torch.nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
+    return torch.cat([_full(p) for p in model.parameters()])
 
 
 def _flat_state(model: torch.nn.Module) -> torch.Tensor:
     """Parameters and buffers (BatchNorm running statistics included)."""
-    return torch.cat([t.detach().reshape(-1).float() for t in model.state_dict().values() if t.is_floating_point()])
+    return torch.cat([_full(t) for t in model.state_dict().values() if t.is_floating_point()])
 
 
 def _fit(rank: int, name: str) -> dict:

@@ -18,6 +18,7 @@ import lightning as L
 from lightning_bigtrain.callbacks import RunReport
 from lightning_bigtrain.data import FashionMNISTDataModule, ShakespeareDataModule
 from lightning_bigtrain.models import CharGPT, FashionCNN
+from lightning_bigtrain.strategies import ZeroStrategy
 
 __all__ = ["SETTINGS", "BadInput", "Setting", "by_name"]
 
@@ -74,6 +75,11 @@ def _ddp_with_report() -> dict[str, Any]:
     return {"strategy": "ddp", "callbacks": [RunReport(verbose=False, warmup_steps=0)]}
 
 
+def _zero(stage: int) -> Callable[[], dict[str, Any]]:
+    # A small unit threshold so the tiny models are sharded block by block, as large ones are.
+    return lambda: {"strategy": ZeroStrategy(stage=stage, min_wrap_params=1000)}
+
+
 SETTINGS: tuple[Setting, ...] = (
     # Plain Lightning DDP on the reference models: the baseline every feature is compared with.
     # Resume is exact: gloo's 2-rank all-reduce is deterministic and the models use no dropout.
@@ -101,6 +107,23 @@ SETTINGS: tuple[Setting, ...] = (
                      ValueError, r"sum to less than 1"),
         ),
     ),
+    # ZeRO on FSDP2. Resume is exact: sharded checkpoints restore weights, optimizer shards and schedule.
+    Setting(
+        name="zero3_gpt",
+        model=_tiny_gpt,
+        data=_tiny_shakespeare,
+        trainer_kwargs=_zero(3),
+        bad_inputs=(
+            BadInput("stage4", lambda: ZeroStrategy(stage=4), ValueError,
+                     r"`ZeroStrategy\(stage=4\)` is not supported: stage must be 2 or 3"),
+            BadInput("stage0", lambda: ZeroStrategy(stage=0), ValueError, r"stage must be 2 or 3"),
+            BadInput("offload_params_stage2", lambda: ZeroStrategy(stage=2, offload_params=True), ValueError,
+                     r"only offloadable, at stage 3"),
+            BadInput("start_method", lambda: ZeroStrategy(start_method="thread"), ValueError,  # type: ignore[arg-type]
+                     r"start_method='thread'"),
+        ),
+    ),
+    Setting(name="zero2_cnn", model=_tiny_cnn, data=_tiny_fashion, trainer_kwargs=_zero(2)),
 )  # fmt: skip
 
 

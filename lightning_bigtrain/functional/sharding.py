@@ -1,0 +1,98 @@
+"""Choosing and applying FSDP2 sharding units for any module (ZeRO stages 2 and 3)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+__all__ = ["auto_wrap_targets", "has_dtensor_params", "shard_module_"]
+
+_CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+
+
+def _num_params(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def auto_wrap_targets(module: nn.Module, min_params: int = 100_000) -> list[nn.Module]:
+    """The submodules to shard as separate units, innermost-first, so each is gathered on its own.
+
+    Rule, in order:
+
+    1. *Repeated blocks*: children of one container (``ModuleList``/``Sequential``/``ModuleDict``) whose
+       class occurs at least twice among that container's children, holding at least ``min_params``
+       parameters each, e.g. the transformer blocks of a GPT (the outermost such children win).
+    2. Otherwise, *large submodules*: the outermost submodules (below the root) with at least
+       ``min_params`` parameters whose children are all below it.
+
+    The root is never returned: the caller shards it last, catching the remaining parameters.
+    """
+    blocks: list[nn.Module] = []
+    for parent in module.modules():
+        if isinstance(parent, _CONTAINERS):
+            children = [c for c in parent.children() if not isinstance(c, _CONTAINERS)]
+            counts = Counter(type(c) for c in children)
+            blocks += [c for c in children if counts[type(c)] >= 2 and _num_params(c) >= min_params]
+    if blocks:
+        return _outermost(blocks)
+    large = [
+        m
+        for m in module.modules()
+        if m is not module
+        and not isinstance(m, _CONTAINERS)
+        and _num_params(m) >= min_params
+        and all(_num_params(c) < min_params for c in m.children())
+    ]
+    return _outermost(large)
+
+
+def _outermost(candidates: list[nn.Module]) -> list[nn.Module]:
+    """Drop candidates nested inside another candidate (units must not overlap)."""
+    inside: set[int] = set()
+    for m in candidates:
+        for sub in m.modules():
+            if sub is not m:
+                inside.add(id(sub))
+    return [m for m in candidates if id(m) not in inside]
+
+
+def has_dtensor_params(module: nn.Module) -> bool:
+    """True if any parameter is already a DTensor (the module was sharded by the user)."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in module.parameters())
+
+
+def shard_module_(
+    module: nn.Module,
+    mesh: object,
+    *,
+    reshard_after_forward: bool,
+    targets: Iterable[nn.Module],
+    mp_policy: object | None = None,
+    offload_policy: object | None = None,
+) -> nn.Module:
+    """Apply FSDP2 ``fully_shard`` to each target, then to the root, in place.
+
+    Args:
+        module: The root module; its class changes to FSDP2's subclass of it.
+        mesh: 1-D device mesh over the data-parallel ranks.
+        reshard_after_forward: Free gathered parameters after forward (ZeRO-3) or keep them for backward.
+        targets: Units from :func:`auto_wrap_targets` (or the user's choice).
+        mp_policy: ``torch.distributed.fsdp.MixedPrecisionPolicy`` or None.
+        offload_policy: ``torch.distributed.fsdp.CPUOffloadPolicy`` or None.
+    """
+    from torch.distributed.fsdp import OffloadPolicy, fully_shard
+
+    kwargs: dict[str, object] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
+    if mp_policy is not None:
+        kwargs["mp_policy"] = mp_policy
+    kwargs["offload_policy"] = offload_policy if offload_policy is not None else OffloadPolicy()
+    for target in targets:
+        fully_shard(target, **kwargs)  # type: ignore[call-overload]
+    fully_shard(module, **kwargs)  # type: ignore[call-overload]
+    return module
+

@@ -1,0 +1,16 @@
+"""Lightning strategies of lightning_bigtrain; importing this registers their names with Lightning."""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_bigtrain.strategies.zero import ZeroStrategy
+
+__all__ = ["ZeroStrategy", "register_all"]
+
+
+def register_all() -> None:
+    """Register every strategy's names with Lightning's registry (idempotent)."""
+    for cls in (ZeroStrategy,):
+        cls.register_strategies(StrategyRegistry)
+
+
+register_all()

@@ -1,0 +1,265 @@
+"""ZeroStrategy: ZeRO-sharded data parallelism for any LightningModule, on CPU (gloo) and GPU (NCCL)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Literal, get_args
+
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.init import _materialize_distributed_module
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.trainer.states import TrainerFn
+
+from lightning_bigtrain.functional.memory import model_state_bytes
+from lightning_bigtrain.functional.sharding import auto_wrap_targets, has_dtensor_params, shard_module_
+from lightning_bigtrain.warnings import NoEffectWarning, warn_once
+
+if TYPE_CHECKING:
+    import lightning as L
+    from lightning.fabric.strategies import _StrategyRegistry
+
+__all__ = ["ZeroStrategy"]
+
+StartMethod = Literal["auto", "popen", "spawn", "fork", "forkserver"]
+_STAGES = (2, 3)
+
+
+class ZeroStrategy(ModelParallelStrategy):
+    """ZeRO data parallelism (Rajbhandari et al., 2020) on torch's FSDP2, for any LightningModule.
+
+    * ``stage=2``: optimizer states and gradients sharded across ranks; parameters are gathered for
+      forward and kept gathered through backward (FSDP2 ``reshard_after_forward=False``).
+    * ``stage=3``: parameters sharded too, gathered per unit for forward and again for backward
+      (``reshard_after_forward=True``).
+
+    Sharding units are chosen automatically (repeated blocks, else submodules above ``min_wrap_params``
+    parameters; see :func:`~lightning_bigtrain.functional.sharding.auto_wrap_targets`), unless the
+    module already sharded itself in ``configure_model``. Works with any optimizer and LR scheduler from
+    ``configure_optimizers``, gradient accumulation, gradient clipping by the global norm over all
+    shards, frozen parameters, and ``precision="bf16-mixed"`` (mapped onto FSDP2's
+    ``MixedPrecisionPolicy``: bf16 compute, fp32 gradient reduction and fp32 sharded parameters).
+    Checkpoints are sharded (torch.distributed.checkpoint) and resume exactly.
+
+    Registered as ``bigtrain_zero2``, ``bigtrain_zero3``, ``bigtrain_zero2_offload``,
+    ``bigtrain_zero3_offload``.
+
+    Acts in: ``setup_environment`` (process group, 1-D mesh), ``setup`` (precision convert, shard,
+    optimizers), ``optimizer_step`` (per-rank model-state bytes logged once, at the first step).
+
+    Args:
+        stage: ZeRO stage, 2 or 3.
+        offload_optimizer: Keep the sharded parameters, gradients and optimizer states in host memory and
+            run the optimizer step on the CPU (FSDP2 ``CPUOffloadPolicy``). Has no effect on
+            ``accelerator="cpu"`` (a warning says so).
+        offload_params: Stage 3 only; implies ``offload_optimizer`` (FSDP2 offloads both together).
+        min_wrap_params: Parameter count above which a repeated block or a submodule becomes its own
+            sharding unit.
+        save_distributed_checkpoint: Save one shard per rank (a folder); ``False`` gathers a single file.
+        broadcast_buffers: Copy rank 0's buffers (e.g. BatchNorm statistics) to every rank before each
+            training step, as DDP does, so replicas and checkpoints agree. FSDP2 alone leaves them per rank.
+        start_method: How ranks are launched: ``"popen"`` re-runs the script; ``"fork"`` works from a
+            Jupyter kernel; ``"auto"`` picks ``"fork"`` in interactive sessions, else ``"popen"``.
+        process_group_backend: ``"gloo"`` or ``"nccl"``; by default chosen from the device.
+        timeout: Collective timeout.
+    """
+
+    strategy_name = "bigtrain_zero"
+
+    def __init__(
+        self,
+        stage: int = 3,
+        *,
+        offload_optimizer: bool = False,
+        offload_params: bool = False,
+        min_wrap_params: int = 100_000,
+        save_distributed_checkpoint: bool = True,
+        broadcast_buffers: bool = True,
+        start_method: StartMethod = "auto",
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ) -> None:
+        if stage == 1:
+            raise ValueError(
+                "`ZeroStrategy(stage=1)` is not available yet: use stage=2 (gradients and optimizer states "
+                "sharded), which communicates the same bytes per step as DDP."
+            )
+        if stage not in _STAGES:
+            raise ValueError(f"`ZeroStrategy(stage={stage!r})` is not supported: stage must be 2 or 3.")
+        if offload_params and stage != 3:
+            raise ValueError(
+                f"`ZeroStrategy(stage={stage}, offload_params=True)` is not supported: parameters are only "
+                "sharded, and so only offloadable, at stage 3. Use stage=3 or offload_optimizer=True."
+            )
+        if min_wrap_params < 1:
+            raise ValueError(f"`ZeroStrategy(min_wrap_params={min_wrap_params})`: must be >= 1.")
+        if start_method not in get_args(StartMethod):
+            raise ValueError(
+                f"`ZeroStrategy(start_method={start_method!r})`: choose one of {', '.join(get_args(StartMethod))}."
+            )
+        super().__init__(
+            data_parallel_size="auto",
+            tensor_parallel_size=1,
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        self.stage = stage
+        self.offload_optimizer = offload_optimizer or offload_params
+        self.offload_params = offload_params
+        self.min_wrap_params = min_wrap_params
+        self.start_method = start_method
+        self.broadcast_buffers = broadcast_buffers
+        self.memory: dict[str, int] = {}
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        for stage in _STAGES:
+            strategy_registry.register(
+                f"bigtrain_zero{stage}",
+                cls,
+                description=f"lightning_bigtrain ZeRO stage {stage}",
+                override=True,
+                stage=stage,
+            )
+            strategy_registry.register(
+                f"bigtrain_zero{stage}_offload",
+                cls,
+                description=f"lightning_bigtrain ZeRO stage {stage} with CPU offload",
+                override=True,
+                stage=stage,
+                offload_optimizer=True,
+                offload_params=stage == 3,
+            )
+
+    def _configure_launcher(self) -> None:
+        from lightning.fabric.utilities.imports import _IS_INTERACTIVE
+
+        assert self.cluster_environment is not None
+        method = self.start_method
+        if method == "auto":
+            method = "fork" if _IS_INTERACTIVE else "popen"
+        if self.cluster_environment.creates_processes_externally:
+            return
+        if method == "popen":
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=method)
+
+    def setup_environment(self) -> None:
+        # One flat data-parallel mesh over every rank of every node.
+        self._data_parallel_size = self.num_nodes * self.num_processes
+        self._tensor_parallel_size = 1
+        super().setup_environment()
+
+    def setup(self, trainer: L.Trainer) -> None:
+        assert self.model is not None
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        assert module is not None
+        if not any(p.requires_grad for p in module.parameters()):
+            raise ValueError(
+                f"`ZeroStrategy(stage={self.stage})` got a model without trainable parameters "
+                f"({type(module).__name__}): there is nothing to shard or train."
+            )
+        _materialize_distributed_module(self.model, self.root_device)
+        if not has_dtensor_params(self.model):
+            # Not sharded by the user's configure_model (if any): choose units and shard here.
+            self.model = self.precision_plugin.convert_module(self.model)
+            self.model_to_device()
+            shard_module_(
+                self.model,
+                self.device_mesh["data_parallel"],
+                reshard_after_forward=self.stage == 3,
+                targets=auto_wrap_targets(self.model, self.min_wrap_params),
+                mp_policy=self._mp_policy(),
+                offload_policy=self._offload_policy(),
+            )
+        self.model_to_device()
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING and not self.offload_optimizer:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        if not (self.offload_optimizer and self.root_device.type != "cpu" and has_dtensor_params(self.model)):
+            self.model.to(self.root_device)
+
+    def _mp_policy(self) -> Any:
+        plugin = self.precision_plugin
+        if isinstance(plugin, MixedPrecision) and plugin.precision == "bf16-mixed":
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+
+            # bf16 compute and communication of parameters; gradients reduced and stored in fp32.
+            return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        return None
+
+    def _offload_policy(self) -> Any:
+        if not self.offload_optimizer:
+            return None
+        if self.root_device.type == "cpu":
+            warn_once(
+                f"`ZeroStrategy(stage={self.stage}, offload_optimizer=True)` has no effect with "
+                "accelerator='cpu': parameters, gradients and optimizer states are in host memory already.",
+                NoEffectWarning,
+            )
+            return None
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        return CPUOffloadPolicy(pin_memory=True)
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.broadcast_buffers and self.world_size > 1:
+            self._broadcast_buffers()
+        return super().training_step(*args, **kwargs)
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        # DCP saves one copy of replicated (non-sharded) tensors from an arbitrary rank: make it rank 0's.
+        if self.broadcast_buffers and self.world_size > 1:
+            self._broadcast_buffers()
+        return super().lightning_module_state_dict()
+
+    def _broadcast_buffers(self) -> None:
+        assert self.model is not None
+        buffers = [b for b in self.model.buffers() if b.is_floating_point()]
+        if not buffers:
+            return
+        flat = torch.cat([b.detach().reshape(-1) for b in buffers])
+        torch.distributed.broadcast(flat, src=0)
+        offset = 0
+        for b in buffers:
+            b.copy_(flat[offset : offset + b.numel()].view_as(b))
+            offset += b.numel()
+
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if not self.memory:
+            self._log_memory(optimizer)
+        return output
+
+    def _log_memory(self, optimizer: Any) -> None:
+        """Per-rank bytes of parameters, gradients and optimizer states, after the first step."""
+        from lightning.pytorch.core.optimizer import LightningOptimizer
+
+        inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        assert self.model is not None
+        local = model_state_bytes(self.model, inner)
+        self.memory = local
+        values = torch.tensor([local["params"], local["grads"], local["optimizer"]], dtype=torch.float64)
+        gathered = self.all_gather(values.to(self.root_device)).reshape(-1, 3).cpu()
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is None or not self.is_global_zero:
+            return
+        metrics = {}
+        for rank, row in enumerate(gathered.tolist()):
+            for name, value in zip(("params", "grads", "optimizer"), row, strict=True):
+                metrics[f"zero/rank{rank}_{name}_bytes"] = value
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)

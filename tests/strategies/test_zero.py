@@ -1,0 +1,71 @@
+"""ZeroStrategy without processes: names, validation, automatic sharding units."""
+
+from __future__ import annotations
+
+import pytest
+from lightning.pytorch.strategies import StrategyRegistry
+from torch import nn
+
+from lightning_bigtrain.functional.sharding import auto_wrap_targets
+from lightning_bigtrain.models import CharGPT, FashionCNN
+from lightning_bigtrain.models.gpt import Block
+from lightning_bigtrain.strategies import ZeroStrategy, register_all
+
+NAMES = {"bigtrain_zero2", "bigtrain_zero3", "bigtrain_zero2_offload", "bigtrain_zero3_offload"}
+
+
+def test_registered_names_are_exactly_ours_and_registration_is_idempotent():
+    register_all()
+    register_all()
+    ours = {n for n in StrategyRegistry.available_strategies() if n.startswith("bigtrain_")}
+    assert ours == NAMES
+    offload = StrategyRegistry["bigtrain_zero3_offload"]
+    assert offload["init_params"] == {"stage": 3, "offload_optimizer": True, "offload_params": True}
+    assert StrategyRegistry["bigtrain_zero2_offload"]["init_params"]["offload_params"] is False
+
+
+def test_trainer_resolves_the_names():
+    import lightning as L
+
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="bigtrain_zero2", logger=False)
+    assert isinstance(trainer.strategy, ZeroStrategy) and trainer.strategy.stage == 2
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"stage": 4}, r"`ZeroStrategy\(stage=4\)` is not supported: stage must be 2 or 3\."),
+        ({"stage": 0}, r"stage must be 2 or 3"),
+        ({"stage": 1}, r"`ZeroStrategy\(stage=1\)` is not available yet"),
+        ({"stage": 2, "offload_params": True}, r"offload_params=True\)` is not supported"),
+        ({"min_wrap_params": 0}, r"min_wrap_params=0"),
+    ],
+)
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ZeroStrategy(**kwargs)
+
+
+def test_offload_params_implies_offload_optimizer():
+    assert ZeroStrategy(stage=3, offload_params=True).offload_optimizer
+
+
+def test_auto_wrap_picks_repeated_blocks_of_a_gpt():
+    model = CharGPT(n_layer=3, n_embd=64, n_head=2)
+    targets = auto_wrap_targets(model, min_params=1000)
+    assert len(targets) == 3 and all(isinstance(t, Block) for t in targets)
+
+
+def test_auto_wrap_falls_back_to_large_submodules():
+    model = nn.Sequential(nn.Linear(10, 2000), nn.ReLU(), nn.Sequential(nn.Linear(2000, 5000), nn.Tanh()))
+    targets = auto_wrap_targets(model, min_params=1_000_000)
+    assert targets == [model[2][0]]
+    # Below the threshold everything stays with the root unit.
+    assert auto_wrap_targets(FashionCNN(channels=(4, 8)), min_params=10**6) == []
+
+
+def test_auto_wrap_units_never_nest():
+    model = nn.ModuleList([nn.Sequential(nn.Linear(100, 100), nn.Linear(100, 100)) for _ in range(2)])
+    targets = auto_wrap_targets(model, min_params=100)
+    ids = {id(m) for t in targets for m in t.modules() if m is not t}
+    assert not any(id(t) in ids for t in targets)
