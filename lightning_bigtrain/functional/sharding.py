@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable
 
-import torch
 from torch import nn
 
 __all__ = ["auto_wrap_targets", "has_dtensor_params", "shard_module_"]
@@ -95,4 +94,3 @@ def shard_module_(
         fully_shard(target, **kwargs)  # type: ignore[call-overload]
     fully_shard(module, **kwargs)  # type: ignore[call-overload]
     return module
-

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import torch
@@ -22,7 +24,7 @@ if TYPE_CHECKING:
     import lightning as L
     from lightning.fabric.strategies import _StrategyRegistry
 
-__all__ = ["ZeroStrategy"]
+__all__ = ["ZeroStrategy", "consolidate_checkpoint"]
 
 StartMethod = Literal["auto", "popen", "spawn", "fork", "forkserver"]
 _STAGES = (2, 3)
@@ -263,3 +265,34 @@ class ZeroStrategy(ModelParallelStrategy):
                 metrics[f"zero/rank{rank}_{name}_bytes"] = value
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
+
+
+def consolidate_checkpoint(path: str | os.PathLike[str], output: str | os.PathLike[str]) -> Path:
+    """Turn a sharded ZeroStrategy checkpoint folder into one file that plain Lightning loads.
+
+    The result holds the full ``state_dict``, hyper-parameters and loop/callback metadata, so
+    ``YourModule.load_from_checkpoint(output)`` works with no lightning_bigtrain installed. Optimizer
+    states are left out: they are keyed by parameter name in the sharded format, which a plain
+    ``Trainer`` cannot resume; resume training from the sharded folder instead.
+
+    Args:
+        path: The checkpoint folder written by ``ZeroStrategy`` (e.g. ``.../last.ckpt``).
+        output: The single file to write.
+    """
+    from lightning.fabric.utilities.load import _load_distributed_checkpoint
+
+    folder = Path(path)
+    if not folder.is_dir():
+        raise ValueError(
+            f"`consolidate_checkpoint({str(path)!r}, ...)`: expected the folder of a sharded checkpoint; "
+            "a single file is already consolidated."
+        )
+    checkpoint = _load_distributed_checkpoint(folder)
+    if "state_dict" not in checkpoint:
+        raise ValueError(f"{folder} holds no `state_dict`; is it a ZeroStrategy checkpoint?")
+    for key in [k for k in checkpoint if k.startswith("optimizer_")]:
+        del checkpoint[key]
+    out = Path(output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(checkpoint, out)
+    return out

@@ -1,0 +1,236 @@
+"""ZeroStrategy on 2 CPU ranks over gloo: parity with DDP, bf16-mixed policy, resharding, export, nodes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lightning_bigtrain.data import ShakespeareDataModule
+from lightning_bigtrain.models import CharGPT
+from lightning_bigtrain.strategies import ZeroStrategy
+from tests.helpers.distributed import run_on_ranks
+
+pytestmark = pytest.mark.integration
+
+_QUIET = dict(logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+
+
+class FrozenPosGPT(CharGPT):
+    """A user's model: the position embedding is frozen (a frozen parameter inside a sharding unit)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.pos_emb.weight.requires_grad_(False)
+
+
+def _model() -> FrozenPosGPT:
+    return FrozenPosGPT(block_size=32, n_layer=2, n_head=2, n_embd=32, warmup_steps=3)
+
+
+def _data() -> ShakespeareDataModule:
+    return ShakespeareDataModule(block_size=32, batch_size=8, subset=256)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    full_tensor = getattr(t, "full_tensor", None)
+    return (full_tensor() if callable(full_tensor) else t).detach().reshape(-1).float().cpu()
+
+
+def _params(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([_full(p) for p in model.parameters()])
+
+
+def _parity(rank: int) -> dict[str, torch.Tensor]:
+    out = {}
+    for name in ("ddp", "zero2", "zero3"):
+        L.seed_everything(0, verbose=False)
+        model = _model()
+        strategy = "ddp" if name == "ddp" else ZeroStrategy(stage=int(name[-1]), min_wrap_params=1000)
+        trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=20, limit_val_batches=0,
+                            gradient_clip_val=0.25, accumulate_grad_batches=2, enable_checkpointing=False,
+                            **_QUIET)  # fmt: skip
+        trainer.fit(model, datamodule=_data())
+        out[name] = _params(model)
+    return out
+
+
+def test_weights_match_ddp_after_20_steps_with_clipping_accumulation_and_frozen_params():
+    for r in run_on_ranks(_parity, init_process_group=False):
+        assert not torch.equal(r["ddp"], _params(_model_at_init()))
+        # fp32 everywhere; the only difference is the reduction (reduce-scatter vs all-reduce of two
+        # addends, then the same averaging): agreement to float32 round-off.
+        for name in ("zero2", "zero3"):
+            torch.testing.assert_close(r[name], r["ddp"], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _model_at_init() -> FrozenPosGPT:
+    L.seed_everything(0, verbose=False)
+    return _model()
+
+
+class _GradDtypes(L.Callback):
+    def __init__(self) -> None:
+        self.grads: set[torch.dtype] = set()
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.grads |= {p.grad.dtype for p in pl_module.parameters() if p.grad is not None}
+
+
+class _ComputeDtypeGPT(CharGPT):
+    """Records the dtype the linear layers see during training."""
+
+    seen: set[torch.dtype]
+
+    def training_step(self, batch, batch_idx):
+        self.seen = getattr(self, "seen", set())
+        hook = self.lm_head.register_forward_pre_hook(lambda m, a: self.seen.add(m.weight.dtype))
+        try:
+            return super().training_step(batch, batch_idx)
+        finally:
+            hook.remove()
+
+
+def _bf16(rank: int) -> dict:
+    L.seed_everything(0, verbose=False)
+    model = _ComputeDtypeGPT(block_size=32, n_layer=2, n_head=2, n_embd=32)
+    strategy = ZeroStrategy(stage=3, min_wrap_params=1000)
+    grads = _GradDtypes()
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, precision="bf16-mixed", max_steps=3,
+                        limit_val_batches=0, enable_checkpointing=False, callbacks=[grads], **_QUIET)  # fmt: skip
+    trainer.fit(model, datamodule=_data())
+    opt_state = trainer.optimizers[0].state
+    return {
+        "grads": grads.grads,
+        "compute": model.seen,
+        "stored": {p.dtype for p in model.parameters()},
+        "optimizer": {v.dtype for s in opt_state.values() for k, v in s.items() if k != "step"},
+    }
+
+
+def test_bf16_mixed_maps_onto_the_sharding_policy():
+    for r in run_on_ranks(_bf16, init_process_group=False):
+        assert r["grads"] == {torch.float32}  # reduced and kept in fp32
+        assert r["compute"] == {torch.bfloat16}  # layers compute with gathered bf16 parameters
+        assert r["stored"] == {torch.float32} and r["optimizer"] == {torch.float32}  # sharded fp32 masters
+
+
+class _StartWeights(L.Callback):
+    def on_train_start(self, trainer, pl_module):
+        self.weights = _params(pl_module)
+        self.step = trainer.global_step
+
+
+class _StopAfterFirstEpoch(L.Callback):
+    def on_train_epoch_end(self, trainer, pl_module):
+        trainer.should_stop = True
+
+
+def _save(rank: int, ckpt_dir: str, devices: int) -> torch.Tensor:
+    L.seed_everything(0, verbose=False)
+    model = _model()
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=ZeroStrategy(stage=3, min_wrap_params=1000),
+                        max_epochs=2, limit_train_batches=4, limit_val_batches=0,
+                        callbacks=[_StopAfterFirstEpoch(), ModelCheckpoint(dirpath=ckpt_dir, save_last=True)],
+                        **_QUIET)  # fmt: skip
+    trainer.fit(model, datamodule=_data())
+    return _params(model)
+
+
+def _resume(rank: int, ckpt_dir: str, devices: int) -> dict:
+    model = _model()
+    probe = _StartWeights()
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=ZeroStrategy(stage=3, min_wrap_params=1000),
+                        max_epochs=2, limit_train_batches=4, limit_val_batches=0, callbacks=[probe],
+                        enable_checkpointing=False, **_QUIET)  # fmt: skip
+    trainer.fit(model, datamodule=_data(), ckpt_path=f"{ckpt_dir}/last.ckpt")
+    return {"start": probe.weights, "start_step": probe.step, "end_step": trainer.global_step}
+
+
+@pytest.mark.parametrize(("save_ranks", "load_ranks"), [(2, 1), (1, 2)])
+def test_sharded_checkpoint_loads_at_another_world_size(tmp_path, save_ranks, load_ranks):
+    saved = run_on_ranks(_save, str(tmp_path), save_ranks, world_size=save_ranks, init_process_group=False)[0]
+    for r in run_on_ranks(_resume, str(tmp_path), load_ranks, world_size=load_ranks, init_process_group=False):
+        assert r["start_step"] == 4 and r["end_step"] == 8
+        torch.testing.assert_close(r["start"], saved, rtol=0, atol=0)
+
+
+def test_consolidated_checkpoint_loads_in_plain_lightning_without_bigtrain(tmp_path):
+    from lightning_bigtrain.strategies.zero import consolidate_checkpoint
+
+    saved = run_on_ranks(_save, str(tmp_path), 2, init_process_group=False)[0]
+    out = consolidate_checkpoint(tmp_path / "last.ckpt", tmp_path / "model.ckpt")
+    code = f"""
+import sys, torch
+sys.modules["lightning_bigtrain"] = None  # loading must not need lightning_bigtrain
+sys.path.insert(0, {str(tmp_path)!r})
+from user_model import UserGPT
+model = UserGPT.load_from_checkpoint({str(out)!r}, map_location="cpu")
+flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+torch.save(flat, {str(tmp_path / "loaded.pt")!r})
+"""
+    (tmp_path / "user_model.py").write_text(_USER_MODEL)
+    env = {**os.environ, "PYTHONPATH": ""}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=tmp_path)
+    torch.testing.assert_close(torch.load(tmp_path / "loaded.pt"), saved, rtol=0, atol=0)
+
+
+# The same architecture and parameter names as FrozenPosGPT, written as a user would without bigtrain:
+# only the state dict and hyper-parameters in the consolidated file are needed.
+_USER_MODEL = """
+import math
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Attn(nn.Module):
+    def __init__(self, n_embd, n_head):
+        super().__init__()
+        self.n_head = n_head
+        self.qkv = nn.Linear(n_embd, 3 * n_embd)
+        self.proj = nn.Linear(n_embd, n_embd)
+
+
+class Block(nn.Module):
+    def __init__(self, n_embd, n_head):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(n_embd)
+        self.attn = Attn(n_embd, n_head)
+        self.ln2 = nn.LayerNorm(n_embd)
+        self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(), nn.Linear(4 * n_embd, n_embd))
+
+
+class UserGPT(L.LightningModule):
+    def __init__(self, vocab_size=96, block_size=128, n_layer=4, n_head=4, n_embd=128, **_):
+        super().__init__()
+        self.save_hyperparameters()
+        self.tok_emb = nn.Embedding(vocab_size, n_embd)
+        self.pos_emb = nn.Embedding(block_size, n_embd)
+        self.blocks = nn.ModuleList(Block(n_embd, n_head) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(n_embd)
+        self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
+"""
+
+
+def _two_nodes(rank: int) -> dict:
+    # Each process is a node of one device: NODE_RANK = rank, LOCAL_RANK = 0.
+    os.environ.update(NODE_RANK=str(rank), LOCAL_RANK="0")
+    L.seed_everything(0, verbose=False)
+    model = _model()
+    trainer = L.Trainer(accelerator="cpu", devices=1, num_nodes=2, strategy=ZeroStrategy(stage=3, min_wrap_params=1000),
+                        max_steps=3, limit_val_batches=0, enable_checkpointing=False, **_QUIET)  # fmt: skip
+    trainer.fit(model, datamodule=_data())
+    return {"world": trainer.world_size, "rank": trainer.global_rank, "params": _params(model)}
+
+
+def test_two_nodes_of_one_device_each():
+    a, b = run_on_ranks(_two_nodes, init_process_group=False)
+    assert (a["world"], a["rank"], b["rank"]) == (2, 0, 1)
+    assert torch.equal(a["params"], b["params"])
