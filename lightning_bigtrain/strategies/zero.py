@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Generator
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, get_args
@@ -16,6 +18,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 
+from lightning_bigtrain.functional.flat_shard import FlatShardedOptimizer
 from lightning_bigtrain.functional.memory import model_state_bytes
 from lightning_bigtrain.functional.sharding import auto_wrap_targets, has_dtensor_params, shard_module_
 from lightning_bigtrain.warnings import NoEffectWarning, warn_once
@@ -27,12 +30,16 @@ if TYPE_CHECKING:
 __all__ = ["ZeroStrategy", "consolidate_checkpoint"]
 
 StartMethod = Literal["auto", "popen", "spawn", "fork", "forkserver"]
-_STAGES = (2, 3)
+_STAGES = (1, 2, 3)
 
 
 class ZeroStrategy(ModelParallelStrategy):
-    """ZeRO data parallelism (Rajbhandari et al., 2020) on torch's FSDP2, for any LightningModule.
+    """ZeRO data parallelism (Rajbhandari et al., 2020) for any LightningModule.
 
+    * ``stage=1``: optimizer states sharded; parameters and gradients replicated. Gradients are
+      reduce-scattered into flat partitions, each rank updates its partition with the user's optimizer,
+      and an all-gather returns the parameters
+      (:class:`~lightning_bigtrain.functional.flat_shard.FlatShardedOptimizer`; element-wise optimizers).
     * ``stage=2``: optimizer states and gradients sharded across ranks; parameters are gathered for
       forward and kept gathered through backward (FSDP2 ``reshard_after_forward=False``).
     * ``stage=3``: parameters sharded too, gathered per unit for forward and again for backward
@@ -46,14 +53,14 @@ class ZeroStrategy(ModelParallelStrategy):
     ``MixedPrecisionPolicy``: bf16 compute, fp32 gradient reduction and fp32 sharded parameters).
     Checkpoints are sharded (torch.distributed.checkpoint) and resume exactly.
 
-    Registered as ``bigtrain_zero2``, ``bigtrain_zero3``, ``bigtrain_zero2_offload``,
+    Registered as ``bigtrain_zero1``, ``bigtrain_zero2``, ``bigtrain_zero3``, ``bigtrain_zero2_offload``,
     ``bigtrain_zero3_offload``.
 
     Acts in: ``setup_environment`` (process group, 1-D mesh), ``setup`` (precision convert, shard,
     optimizers), ``optimizer_step`` (per-rank model-state bytes logged once, at the first step).
 
     Args:
-        stage: ZeRO stage, 2 or 3.
+        stage: ZeRO stage, 1, 2 or 3.
         offload_optimizer: Keep the sharded parameters, gradients and optimizer states in host memory and
             run the optimizer step on the CPU (FSDP2 ``CPUOffloadPolicy``). Has no effect on
             ``accelerator="cpu"`` (a warning says so).
@@ -84,13 +91,13 @@ class ZeroStrategy(ModelParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
-        if stage == 1:
-            raise ValueError(
-                "`ZeroStrategy(stage=1)` is not available yet: use stage=2 (gradients and optimizer states "
-                "sharded), which communicates the same bytes per step as DDP."
-            )
         if stage not in _STAGES:
-            raise ValueError(f"`ZeroStrategy(stage={stage!r})` is not supported: stage must be 2 or 3.")
+            raise ValueError(f"`ZeroStrategy(stage={stage!r})` is not supported: stage must be 1, 2 or 3.")
+        if offload_optimizer and stage == 1:
+            raise ValueError(
+                "`ZeroStrategy(stage=1, offload_optimizer=True)` is not supported: offloading runs through "
+                "FSDP2's CPUOffloadPolicy, which needs sharded gradients. Use stage=2 or 3."
+            )
         if offload_params and stage != 3:
             raise ValueError(
                 f"`ZeroStrategy(stage={stage}, offload_params=True)` is not supported: parameters are only "
@@ -127,6 +134,8 @@ class ZeroStrategy(ModelParallelStrategy):
                 override=True,
                 stage=stage,
             )
+            if stage == 1:
+                continue
             strategy_registry.register(
                 f"bigtrain_zero{stage}_offload",
                 cls,
@@ -169,6 +178,9 @@ class ZeroStrategy(ModelParallelStrategy):
                 f"({type(module).__name__}): there is nothing to shard or train."
             )
         _materialize_distributed_module(self.model, self.root_device)
+        if self.stage == 1:
+            self._setup_stage1(trainer)
+            return
         if not has_dtensor_params(self.model):
             # Not sharded by the user's configure_model (if any): choose units and shard here.
             self.model = self.precision_plugin.convert_module(self.model)
@@ -188,6 +200,72 @@ class ZeroStrategy(ModelParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING and not self.offload_optimizer:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _setup_stage1(self, trainer: L.Trainer) -> None:
+        """Replicated parameters; each optimizer rebuilt over flat partitions (FlatShardedOptimizer)."""
+        assert self.model is not None
+        if has_dtensor_params(self.model):
+            raise ValueError(
+                "`ZeroStrategy(stage=1)` got a model that configure_model already sharded (DTensor parameters); "
+                "stage 1 keeps parameters replicated. Use stage=2 or 3 with this model."
+            )
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+            mesh = self.device_mesh["data_parallel"]
+            wrapped = []
+            for optimizer in self.optimizers:
+                flat = FlatShardedOptimizer(optimizer, mesh)
+                for config in self.lr_scheduler_configs:
+                    if getattr(config.scheduler, "optimizer", None) is optimizer:
+                        config.scheduler.optimizer = flat  # type: ignore[union-attr]
+                wrapped.append(flat)
+            self.optimizers = wrapped
+        else:
+            # Evaluation: parameters stay replicated; make every rank start from rank 0's weights.
+            for tensor in self.model.state_dict().values():
+                torch.distributed.broadcast(tensor, src=0)
+        self.setup_precision_plugin()
+
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Skip the gradient reduction of stage 1 while gradients accumulate (as DDP's ``no_sync``)."""
+        flats = [o for o in self.optimizers if isinstance(o, FlatShardedOptimizer)]
+        for o in flats:
+            o.require_sync = False
+        try:
+            yield None
+        finally:
+            for o in flats:
+                o.require_sync = True
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        inner = getattr(optimizer, "_optimizer", optimizer)
+        if isinstance(inner, FlatShardedOptimizer):
+            return inner.state_dict()  # DTensor partitions: DCP writes each rank's slice
+        return super().optimizer_state(optimizer)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        if self.stage != 1:
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        import torch.distributed.checkpoint as dcp
+        from lightning.fabric.utilities.load import _METADATA_FILENAME
+
+        path = Path(self.broadcast(checkpoint_path))
+        assert self.model is not None
+        state: dict[str, Any] = {"state_dict": self.model.state_dict()}
+        for i, optimizer in enumerate(self.optimizers):
+            assert isinstance(optimizer, FlatShardedOptimizer)
+            optimizer.init_state()
+            state[f"optimizer_{i}"] = optimizer.state_dict()
+        dcp.load(state, checkpoint_id=path)
+        self.model.load_state_dict(state["state_dict"])
+        for i, optimizer in enumerate(self.optimizers):
+            optimizer.load_state_dict(state[f"optimizer_{i}"])
+        metadata = torch.load(path / _METADATA_FILENAME, weights_only=bool(weights_only))
+        return metadata
 
     def model_to_device(self) -> None:
         assert self.model is not None
@@ -252,7 +330,10 @@ class ZeroStrategy(ModelParallelStrategy):
 
         inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
         assert self.model is not None
-        local = model_state_bytes(self.model, inner)
+        if isinstance(inner, FlatShardedOptimizer):
+            local = inner.model_state_bytes()
+        else:
+            local = model_state_bytes(self.model, inner)
         self.memory = local
         values = torch.tensor([local["params"], local["grads"], local["optimizer"]], dtype=torch.float64)
         gathered = self.all_gather(values.to(self.root_device)).reshape(-1, 3).cpu()

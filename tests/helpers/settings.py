@@ -115,8 +115,8 @@ SETTINGS: tuple[Setting, ...] = (
         trainer_kwargs=_zero(3),
         bad_inputs=(
             BadInput("stage4", lambda: ZeroStrategy(stage=4), ValueError,
-                     r"`ZeroStrategy\(stage=4\)` is not supported: stage must be 2 or 3"),
-            BadInput("stage0", lambda: ZeroStrategy(stage=0), ValueError, r"stage must be 2 or 3"),
+                     r"`ZeroStrategy\(stage=4\)` is not supported: stage must be 1, 2 or 3"),
+            BadInput("stage0", lambda: ZeroStrategy(stage=0), ValueError, r"stage must be 1, 2 or 3"),
             BadInput("offload_params_stage2", lambda: ZeroStrategy(stage=2, offload_params=True), ValueError,
                      r"only offloadable, at stage 3"),
             BadInput("start_method", lambda: ZeroStrategy(start_method="thread"), ValueError,  # type: ignore[arg-type]
@@ -124,6 +124,7 @@ SETTINGS: tuple[Setting, ...] = (
         ),
     ),
     Setting(name="zero2_cnn", model=_tiny_cnn, data=_tiny_fashion, trainer_kwargs=_zero(2)),
+    Setting(name="zero1_gpt", model=_tiny_gpt, data=_tiny_shakespeare, trainer_kwargs=_zero(1)),
 )  # fmt: skip
 
 

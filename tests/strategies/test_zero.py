@@ -11,7 +11,7 @@ from lightning_bigtrain.models import CharGPT, FashionCNN
 from lightning_bigtrain.models.gpt import Block
 from lightning_bigtrain.strategies import ZeroStrategy, register_all
 
-NAMES = {"bigtrain_zero2", "bigtrain_zero3", "bigtrain_zero2_offload", "bigtrain_zero3_offload"}
+NAMES = {"bigtrain_zero1", "bigtrain_zero2", "bigtrain_zero3", "bigtrain_zero2_offload", "bigtrain_zero3_offload"}
 
 
 def test_registered_names_are_exactly_ours_and_registration_is_idempotent():
@@ -34,9 +34,9 @@ def test_trainer_resolves_the_names():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"stage": 4}, r"`ZeroStrategy\(stage=4\)` is not supported: stage must be 2 or 3\."),
-        ({"stage": 0}, r"stage must be 2 or 3"),
-        ({"stage": 1}, r"`ZeroStrategy\(stage=1\)` is not available yet"),
+        ({"stage": 4}, r"`ZeroStrategy\(stage=4\)` is not supported: stage must be 1, 2 or 3\."),
+        ({"stage": 0}, r"stage must be 1, 2 or 3"),
+        ({"stage": 1, "offload_optimizer": True}, r"stage=1, offload_optimizer=True\)` is not supported"),
         ({"stage": 2, "offload_params": True}, r"offload_params=True\)` is not supported"),
         ({"min_wrap_params": 0}, r"min_wrap_params=0"),
     ],
