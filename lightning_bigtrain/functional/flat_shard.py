@@ -99,11 +99,13 @@ class FlatShardedOptimizer(torch.optim.Optimizer):
             hi = min(lo + flat_group.chunk, flat_group.numel)
             local = flat_group.flat[lo:hi] if lo < hi else flat_group.flat[:0]
             shard = nn.Parameter(
-                DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=(flat_group.numel,), stride=(1,))
+                DTensor.from_local(
+                    local, mesh, [Shard(0)], run_check=False, shape=torch.Size((flat_group.numel,)), stride=(1,)
+                )
             )
             grad_local = flat_group.grad[lo:hi] if lo < hi else flat_group.grad[:0]
             shard.grad = DTensor.from_local(
-                grad_local, mesh, [Shard(0)], run_check=False, shape=(flat_group.numel,), stride=(1,)
+                grad_local, mesh, [Shard(0)], run_check=False, shape=torch.Size((flat_group.numel,)), stride=(1,)
             )
             flat_group.shard = shard
             inner_groups.append({**hyper, "params": [shard]})
@@ -118,7 +120,7 @@ class FlatShardedOptimizer(torch.optim.Optimizer):
         super().__init__([torch.zeros(0)], dict(optimizer.defaults))
         # Share the inner optimizer's groups and state so schedulers and checkpoints act on the shards.
         self.param_groups = self.inner.param_groups
-        self.state = self.inner.state  # type: ignore[assignment]
+        self.state = self.inner.state
         self._queued = False
         for g in self._groups:
             for p in g.params:
@@ -129,7 +131,7 @@ class FlatShardedOptimizer(torch.optim.Optimizer):
         # clipping and `on_before_optimizer_step` already see the averaged partitions.
         if self.require_sync and not self._queued:
             self._queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)  # type: ignore[attr-defined]
+            torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
 
     def _on_backward_end(self) -> None:
         self._queued = False
@@ -179,7 +181,7 @@ class FlatShardedOptimizer(torch.optim.Optimizer):
             self.comm_bytes += (self.world - 1) * mine.numel() * mine.element_size()
 
     @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Any = None) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -217,7 +219,7 @@ class FlatShardedOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.inner.load_state_dict(state_dict)
         self.param_groups = self.inner.param_groups
-        self.state = self.inner.state  # type: ignore[assignment]
+        self.state = self.inner.state
 
     def model_state_bytes(self) -> dict[str, int]:
         """Bytes held by this rank: full parameters and gradients, its partition of the optimizer state."""

@@ -215,12 +215,12 @@ class ZeroStrategy(ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             mesh = self.device_mesh["data_parallel"]
-            wrapped = []
+            wrapped: list[torch.optim.Optimizer] = []
             for optimizer in self.optimizers:
                 flat = FlatShardedOptimizer(optimizer, mesh)
                 for config in self.lr_scheduler_configs:
                     if getattr(config.scheduler, "optimizer", None) is optimizer:
-                        config.scheduler.optimizer = flat  # type: ignore[union-attr]
+                        config.scheduler.optimizer = flat
                 wrapped.append(flat)
             self.optimizers = wrapped
         else:
