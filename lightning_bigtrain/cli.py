@@ -2,6 +2,7 @@
 
     bigtrain fit --config configs/demo.yaml --trainer.max_steps=20
     bigtrain demo --output runs/demo
+    bigtrain consolidate runs/zero3/checkpoints/last.ckpt model.ckpt
 
 Models and datamodules are given by ``class_path`` (any LightningModule / LightningDataModule);
 lightning_bigtrain's strategies, callbacks and plugins are reachable by ``class_path`` and by their
@@ -55,7 +56,7 @@ class BigtrainCLI(LightningCLI):
         kwargs.setdefault(
             "parser_kwargs",
             {"description": "lightning_bigtrain: fit/validate/test/predict any LightningModule. "
-                            "Also: `bigtrain demo --help`."},
+                            "Also: `bigtrain demo --help`, `bigtrain consolidate --help`."},
         )  # fmt: skip
         super().__init__(*args, **kwargs)
 
@@ -75,6 +76,8 @@ def main(argv: list[str] | None = None) -> None:
         from lightning_bigtrain.demo import main as demo_main
 
         sys.exit(demo_main(args[1:]))
+    if args and args[0] == "consolidate":
+        sys.exit(_consolidate_main(args[1:]))
     try:
         BigtrainCLI(args=args)
     except Exception as err:
@@ -82,6 +85,26 @@ def main(argv: list[str] | None = None) -> None:
         if missing is None:
             raise
         sys.exit(f"error: {missing}")
+
+
+def _consolidate_main(argv: list[str]) -> int:
+    import argparse
+
+    from lightning_bigtrain.strategies.zero import consolidate_checkpoint
+
+    parser = argparse.ArgumentParser(
+        prog="bigtrain consolidate",
+        description="Turn a sharded ZeroStrategy checkpoint folder into one file that plain Lightning loads.",
+    )
+    parser.add_argument("checkpoint", help="the sharded checkpoint folder (e.g. .../last.ckpt)")
+    parser.add_argument("output", help="the single checkpoint file to write")
+    args = parser.parse_args(argv)
+    try:
+        out = consolidate_checkpoint(args.checkpoint, args.output)
+    except ValueError as err:
+        parser.error(str(err))
+    print(f"wrote {out}")
+    return 0
 
 
 def _missing_data_error(err: BaseException) -> BaseException | None:

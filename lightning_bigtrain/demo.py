@@ -1,8 +1,9 @@
 """The main job: a char-level GPT trained on Shakespeare by 2 CPU ranks, with a printed report.
 
-    bigtrain demo [--output runs/demo] [--max-steps 250] [--devices 2] [--accelerator cpu]
+    bigtrain demo [--output runs/demo] [--max-steps 250] [--strategy bigtrain_zero2] [--devices 2]
 
-As features land, each adds itself here, so the demo shows the plugins working together.
+As features land, each adds itself here, so the demo shows the plugins working together. The default
+strategy is ZeRO stage 2 (gradients and optimizer states sharded over the 2 ranks).
 """
 
 from __future__ import annotations
@@ -19,11 +20,13 @@ def run_demo(
     devices: int = 2,
     accelerator: str = "cpu",
     val_batches: int = 16,
+    strategy: str = "bigtrain_zero2",
 ) -> dict:
     """Validate, train and validate again; returns the :class:`RunReport` dictionary (on rank 0)."""
     import lightning as L
     from lightning.pytorch.loggers import CSVLogger
 
+    import lightning_bigtrain  # noqa: F401  (registers the bigtrain_* strategy names)
     from lightning_bigtrain.callbacks import RunReport
     from lightning_bigtrain.data import ShakespeareDataModule
     from lightning_bigtrain.models import CharGPT
@@ -37,7 +40,7 @@ def run_demo(
     trainer = L.Trainer(
         accelerator=accelerator,
         devices=devices,
-        strategy="ddp" if devices > 1 else "auto",
+        strategy=strategy if devices > 1 else "auto",
         max_steps=max_steps,
         val_check_interval=max_steps,
         check_val_every_n_epoch=None,
@@ -62,8 +65,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-steps", type=int, default=250)
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--accelerator", default="cpu")
+    parser.add_argument(
+        "--strategy",
+        default="bigtrain_zero2",
+        choices=["ddp", "bigtrain_zero1", "bigtrain_zero2", "bigtrain_zero3"],
+        help="data-parallel strategy for the 2 ranks",
+    )
     args = parser.parse_args(argv)
     if args.max_steps < 1:
         parser.error(f"--max-steps {args.max_steps}: max-steps must be >= 1.")
-    run_demo(args.output, args.max_steps, args.devices, args.accelerator)
+    run_demo(args.output, args.max_steps, args.devices, args.accelerator, strategy=args.strategy)
     return 0

@@ -46,7 +46,8 @@ class RunReport(Callback):
     Throughput is counted over all ranks, after ``warmup_steps`` batches (start-up and first-call costs
     excluded). Tokens are counted when the batch's first tensor holds integer ids (batch x time); samples
     always. Memory is the CUDA allocator's peak on GPUs and the process' peak RSS on CPU, per rank;
-    model-state bytes (parameters, gradients, optimizer states) are taken at the first optimizer step.
+    model-state bytes (parameters, gradients, optimizer states) are taken before the second optimizer step
+    (optimizers create their states in the first).
     The starting validation loss is one measured before the first optimizer step (``trainer.validate``
     before ``fit``, or a validation at step 0); the final one is the last measured after training began.
 
@@ -123,7 +124,8 @@ class RunReport(Callback):
     def on_before_optimizer_step(
         self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        if self._state_bytes is None:
+        # The second step: optimizer states are created lazily by the first one.
+        if self._state_bytes is None and trainer.global_step >= 1:
             self._state_bytes = model_state_bytes(pl_module, optimizer)
 
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -51,13 +51,15 @@ class ZeroStrategy(ModelParallelStrategy):
     ``configure_optimizers``, gradient accumulation, gradient clipping by the global norm over all
     shards, frozen parameters, and ``precision="bf16-mixed"`` (mapped onto FSDP2's
     ``MixedPrecisionPolicy``: bf16 compute, fp32 gradient reduction and fp32 sharded parameters).
-    Checkpoints are sharded (torch.distributed.checkpoint) and resume exactly.
+    Checkpoints are sharded (torch.distributed.checkpoint) to a local folder or an fsspec URL
+    (``s3://...``, ``file://...``; the filesystem's fsspec package must be installed), resume exactly, and
+    load at another world size.
 
     Registered as ``bigtrain_zero1``, ``bigtrain_zero2``, ``bigtrain_zero3``, ``bigtrain_zero2_offload``,
     ``bigtrain_zero3_offload``.
 
     Acts in: ``setup_environment`` (process group, 1-D mesh), ``setup`` (precision convert, shard,
-    optimizers), ``optimizer_step`` (per-rank model-state bytes logged once, at the first step).
+    optimizers), ``optimizer_step`` (per-rank model-state bytes logged once, in the second step after backward).
 
     Args:
         stage: ZeRO stage, 1, 2 or 3.
@@ -247,25 +249,63 @@ class ZeroStrategy(ModelParallelStrategy):
             return inner.state_dict()  # DTensor partitions: DCP writes each rank's slice
         return super().optimizer_state(optimizer)
 
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        if self.stage != 1:
-            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        location = str(self.broadcast(str(filepath)))
+        if not _is_url(location):
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        import fsspec
         import torch.distributed.checkpoint as dcp
         from lightning.fabric.utilities.load import _METADATA_FILENAME
 
-        path = Path(self.broadcast(checkpoint_path))
+        if storage_options is not None:
+            raise TypeError("`ZeroStrategy.save_checkpoint(..., storage_options=...)` is not supported.")
+        shards = {"state_dict": checkpoint.pop("state_dict")}
+        for i, optimizer_state in enumerate(checkpoint.pop("optimizer_states", [])):
+            shards[f"optimizer_{i}"] = optimizer_state
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+        dcp.save(shards, storage_writer=FsspecWriter(location))
+        if self.global_rank == 0:
+            with fsspec.open(f"{location.rstrip('/')}/{_METADATA_FILENAME}", "wb") as f:
+                torch.save(checkpoint, f)
+        self.barrier()
+        return None
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        location = str(self.broadcast(str(checkpoint_path)))
+        if self.stage != 1 and not _is_url(location):
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        import fsspec
+        import torch.distributed.checkpoint as dcp
+        from lightning.fabric.utilities.load import _METADATA_FILENAME
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
         assert self.model is not None
-        state: dict[str, Any] = {"state_dict": self.model.state_dict()}
+        # Targets to load into: this rank's shards, laid out as they were saved.
+        state: dict[str, Any] = {"state_dict": get_model_state_dict(self.model)}
         for i, optimizer in enumerate(self.optimizers):
-            assert isinstance(optimizer, FlatShardedOptimizer)
-            optimizer.init_state()
-            state[f"optimizer_{i}"] = optimizer.state_dict()
-        dcp.load(state, checkpoint_id=path)
-        self.model.load_state_dict(state["state_dict"])
+            if isinstance(optimizer, FlatShardedOptimizer):
+                optimizer.init_state()
+                state[f"optimizer_{i}"] = optimizer.state_dict()
+            else:
+                state[f"optimizer_{i}"] = get_optimizer_state_dict(self.model, optimizer)
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+        reader = FsspecReader(location) if _is_url(location) else dcp.FileSystemReader(location)
+        dcp.load(state, storage_reader=reader)
+        set_model_state_dict(self.model, state["state_dict"])
         for i, optimizer in enumerate(self.optimizers):
-            optimizer.load_state_dict(state[f"optimizer_{i}"])
-        metadata = torch.load(path / _METADATA_FILENAME, weights_only=bool(weights_only))
-        return metadata
+            if isinstance(optimizer, FlatShardedOptimizer):
+                optimizer.load_state_dict(state[f"optimizer_{i}"])
+            else:
+                set_optimizer_state_dict(self.model, optimizer, state[f"optimizer_{i}"])
+        with fsspec.open(f"{location.rstrip('/')}/{_METADATA_FILENAME}", "rb") as f:
+            return torch.load(f, weights_only=bool(weights_only))
 
     def model_to_device(self) -> None:
         assert self.model is not None
@@ -319,13 +359,21 @@ class ZeroStrategy(ModelParallelStrategy):
             offset += b.numel()
 
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if not self.memory:
+        module = self.lightning_module
+        if self.memory or module is None or module.trainer.global_step < 1:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+        # Counted in the second step, after backward and before the update: gradients are present and
+        # the optimizer states exist (optimizers create them in their first step).
+        def closure_then_count() -> Any:
+            result = closure()
             self._log_memory(optimizer)
-        return output
+            return result
+
+        return super().optimizer_step(optimizer, closure_then_count, model, **kwargs)
 
     def _log_memory(self, optimizer: Any) -> None:
-        """Per-rank bytes of parameters, gradients and optimizer states, after the first step."""
+        """Per-rank bytes of parameters, gradients and optimizer states, gathered and logged on rank 0."""
         from lightning.pytorch.core.optimizer import LightningOptimizer
 
         inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
@@ -346,6 +394,10 @@ class ZeroStrategy(ModelParallelStrategy):
                 metrics[f"zero/rank{rank}_{name}_bytes"] = value
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
+
+
+def _is_url(location: str) -> bool:
+    return "://" in location
 
 
 def consolidate_checkpoint(path: str | os.PathLike[str], output: str | os.PathLike[str]) -> Path:

@@ -127,19 +127,34 @@ class _StartWeights(L.Callback):
 
 
 class _StopAfterFirstEpoch(L.Callback):
+    """Stop after one epoch; with ``save_to``, save there directly (URLs: ModelCheckpoint takes file://
+    for a local path and would not exercise the fsspec writer)."""
+
+    def __init__(self, save_to: str | None = None) -> None:
+        self.save_to = save_to
+
     def on_train_epoch_end(self, trainer, pl_module):
         trainer.should_stop = True
+        if self.save_to is not None:
+            trainer.save_checkpoint(self.save_to)
 
 
 def _save(rank: int, ckpt_dir: str, devices: int, stage: int = 3) -> torch.Tensor:
+    """Train one epoch of a 2-epoch run and stop; ModelCheckpoint writes `last.ckpt` (a folder or URL)."""
     L.seed_everything(0, verbose=False)
     model = _model()
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=ZeroStrategy(stage=stage, min_wrap_params=1000),
                         max_epochs=2, limit_train_batches=4, limit_val_batches=0,
-                        callbacks=[_StopAfterFirstEpoch(), ModelCheckpoint(dirpath=ckpt_dir, save_last=True)],
+                        callbacks=_save_callbacks(ckpt_dir), enable_checkpointing="://" not in ckpt_dir,
                         **_QUIET)  # fmt: skip
     trainer.fit(model, datamodule=_data())
     return _params(model)
+
+
+def _save_callbacks(ckpt_dir: str) -> list[L.Callback]:
+    if "://" in ckpt_dir:
+        return [_StopAfterFirstEpoch(save_to=f"{ckpt_dir}/last.ckpt")]
+    return [_StopAfterFirstEpoch(), ModelCheckpoint(dirpath=ckpt_dir, save_last=True)]
 
 
 def _resume(rank: int, ckpt_dir: str, devices: int, stage: int = 3) -> dict:
@@ -164,6 +179,16 @@ def test_sharded_checkpoint_loads_at_another_world_size(tmp_path, save_ranks, lo
     saved = run_on_ranks(_save, str(tmp_path), save_ranks, stage, world_size=save_ranks, init_process_group=False)[0]
     for r in run_on_ranks(_resume, str(tmp_path), load_ranks, stage, world_size=load_ranks, init_process_group=False):
         assert r["exp_avg_norm"] > 0  # optimizer state restored and stepped
+        assert r["start_step"] == 4 and r["end_step"] == 8
+        torch.testing.assert_close(r["start"], saved, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_checkpoint_to_an_fsspec_url_resumes(tmp_path, stage):
+    url = f"file://{tmp_path}/remote"
+    saved = run_on_ranks(_save, url, 2, stage, init_process_group=False)[0]
+    assert (tmp_path / "remote" / "last.ckpt" / "meta.pt").is_file()
+    for r in run_on_ranks(_resume, url, 2, stage, init_process_group=False):
         assert r["start_step"] == 4 and r["end_step"] == 8
         torch.testing.assert_close(r["start"], saved, rtol=0, atol=0)
 
@@ -242,3 +267,63 @@ def test_two_nodes_of_one_device_each():
     a, b = run_on_ranks(_two_nodes, init_process_group=False)
     assert (a["world"], a["rank"], b["rank"]) == (2, 0, 1)
     assert torch.equal(a["params"], b["params"])
+
+
+class _NothingToTrain(CharGPT):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.requires_grad_(False)
+
+
+def _frozen(rank: int) -> str:
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=ZeroStrategy(stage=3), max_steps=1, **_QUIET)
+    try:
+        trainer.fit(_NothingToTrain(block_size=32, n_layer=1, n_head=2, n_embd=32), datamodule=_data())
+    except ValueError as err:
+        return str(err)
+    return ""
+
+
+def test_model_without_trainable_parameters_is_rejected_at_setup():
+    message = run_on_ranks(_frozen, world_size=1, init_process_group=False)[0]
+    assert "got a model without trainable parameters (_NothingToTrain)" in message
+
+
+def _offload_on_cpu(rank: int) -> list[str]:
+    import warnings
+
+    from lightning_bigtrain.warnings import NoEffectWarning
+
+    strategy = ZeroStrategy(stage=3, offload_params=True, min_wrap_params=1000)
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=2, limit_val_batches=0,
+                        enable_checkpointing=False, **_QUIET)  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(_model(), datamodule=_data())
+    return [str(w.message) for w in caught if issubclass(w.category, NoEffectWarning)]
+
+
+def test_offload_on_cpu_warns_that_it_has_no_effect():
+    messages = run_on_ranks(_offload_on_cpu, world_size=1, init_process_group=False)[0]
+    assert any("offload_optimizer=True)` has no effect with accelerator='cpu'" in m for m in messages)
+
+
+@pytest.mark.gpu
+def test_zero3_bf16_on_gpu_over_nccl(tmp_path):
+    devices = min(2, torch.cuda.device_count())
+    results = run_on_ranks(_gpu_fit, devices, world_size=devices, init_process_group=False)
+    for r in results:
+        assert r["backend"] == "nccl" and r["finite"] and r["steps"] == 5
+
+
+def _gpu_fit(rank: int, devices: int) -> dict:
+    L.seed_everything(0, verbose=False)
+    trainer = L.Trainer(accelerator="cuda", devices=devices, strategy=ZeroStrategy(stage=3, min_wrap_params=1000),
+                        precision="bf16-mixed", max_steps=5, limit_val_batches=0, enable_checkpointing=False,
+                        **_QUIET)  # fmt: skip
+    trainer.fit(_model(), datamodule=_data())
+    return {
+        "backend": torch.distributed.get_backend(),
+        "finite": bool(torch.isfinite(trainer.callback_metrics["train_loss"])),
+        "steps": trainer.global_step,
+    }

@@ -1,0 +1,200 @@
+"""ZeRO stages vs DDP: per-rank model-state bytes, bytes sent per step, step time, peak RSS.
+
+    python -m benchmarks.zero [--quick] [--repeats N] [--results-dir DIR]
+
+A char-GPT of 25M parameters (8 layers, width 512) trained with fp32 AdamW on Shakespeare at world
+size 2 (CPU, gloo): plain Lightning DDP (the peer) and ZeroStrategy stages 1/2/3 (offload variants too:
+on CPU they are the same runs, and say so with a NoEffectWarning). Model-state bytes per rank are taken
+at the first optimizer step (parameters, gradients, optimizer states) and compared with the ZeRO paper's
+formulas (Rajbhandari et al., 2020, Fig. 1): DDP 16 Psi; stage 1 (8 + 8/N) Psi; stage 2 (4 + 12/N) Psi;
+stage 3 16 Psi / N. Bytes sent are counted on the collectives each rank issues (ring-equivalent: an
+all-gather or reduce-scatter of B bytes sends (N-1)/N B; an all-reduce 2 (N-1)/N B); DDP's all-reduce
+runs inside its C++ reducer, so its figure is the ring formula over its gradient bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import RESULTS_DIR, alternate, print_table, ratio, run_worker, summarize, write_results
+
+CONFIGS = ("ddp", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload")
+
+
+@contextmanager
+def count_collectives(world: int):
+    """Count ring-equivalent bytes this rank sends through torch.distributed collectives."""
+    import torch.distributed as dist
+
+    counted = {"bytes": 0}
+    factor = (world - 1) / world
+
+    def nbytes(t) -> int:
+        return t.numel() * t.element_size()
+
+    def arg(args, kwargs, index, *names):
+        for name in names:
+            if name in kwargs:
+                return kwargs[name]
+        return args[index]
+
+    def wrap(name: str, measure):
+        original = getattr(dist, name)
+
+        def counting(*args, **kwargs):
+            counted["bytes"] += int(measure(args, kwargs))
+            return original(*args, **kwargs)
+
+        return original, counting
+
+    # Ring-equivalent bytes sent: gathers count their output, scatters their input, all-reduce twice.
+    measures = {
+        "all_gather_into_tensor": lambda a, k: factor * nbytes(arg(a, k, 0, "output_tensor", "output")),
+        "all_gather_single": lambda a, k: factor * nbytes(arg(a, k, 0, "output_tensor", "output")),
+        "reduce_scatter_tensor": lambda a, k: factor * nbytes(arg(a, k, 1, "input", "input_tensor")),
+        "reduce_scatter_single": lambda a, k: factor * nbytes(arg(a, k, 1, "input", "input_tensor")),
+        "all_reduce": lambda a, k: 2 * factor * nbytes(arg(a, k, 0, "tensor")),
+    }
+    originals = {}
+    for name, measure in measures.items():
+        if hasattr(dist, name):
+            originals[name], counting = wrap(name, measure)
+            setattr(dist, name, counting)
+    try:
+        yield counted
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+
+
+def worker(config: str, steps: int, quick: bool, out: str) -> None:
+    import lightning as L
+    import torch
+
+    from benchmarks.common import set_flush_denormal
+    from lightning_bigtrain.callbacks import RunReport
+    from lightning_bigtrain.data import ShakespeareDataModule
+    from lightning_bigtrain.models import CharGPT
+    from lightning_bigtrain.strategies import ZeroStrategy
+
+    set_flush_denormal()
+    L.seed_everything(0, verbose=False)
+    data = ShakespeareDataModule(block_size=128, batch_size=4)
+    width, layers = (128, 2) if quick else (512, 8)
+    model = CharGPT(vocab_size=data.vocab_size, block_size=128, n_layer=layers, n_head=8, n_embd=width)
+    psi = sum(p.numel() for p in model.parameters())
+    if config == "ddp":
+        strategy: Any = "ddp"
+    else:
+        stage = int(config[4])
+        offload = config.endswith("offload")
+        strategy = ZeroStrategy(stage=stage, offload_optimizer=offload, offload_params=offload and stage == 3)
+    report = RunReport(warmup_steps=2, verbose=False)
+
+    class StepCounter(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if batch_idx == 2:
+                self.start = counter["bytes"]
+
+        def on_train_end(self, trainer, pl_module):
+            self.end = counter["bytes"]
+
+    steps_cb = StepCounter()
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, limit_val_batches=0,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[report, steps_cb])  # fmt: skip
+    import warnings
+
+    with warnings.catch_warnings(), count_collectives(2) as counter:
+        warnings.simplefilter("ignore")
+        trainer.fit(model, datamodule=data)
+    timed = steps - 2
+    sent = (steps_cb.end - steps_cb.start) / timed
+    if config == "ddp":
+        sent = 2 * (2 - 1) / 2 * psi * 4  # DDP's reducer all-reduces every fp32 gradient once per step
+    if trainer.is_global_zero:
+        result = {**report.report, "psi": psi, "bytes_sent_per_step": sent,
+                  "step_seconds": report.report["seconds"] / timed}  # fmt: skip
+        Path(out).write_text(json.dumps(result))
+    del torch
+
+
+def theory_bytes(config: str, psi: int, n: int = 2) -> float:
+    """ZeRO paper, fp32 AdamW: bytes per rank of parameters + gradients + optimizer states."""
+    stage = 0 if config == "ddp" else int(config[4])
+    return psi * {0: 16, 1: 8 + 8 / n, 2: 4 + 12 / n, 3: 16 / n}[stage]
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--steps", type=int, default=8, help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(args.worker, args.steps, args.quick, args.out)
+        return {}
+
+    repeats = args.repeats or (1 if args.quick else 2)
+    steps = 5 if args.quick else 8
+    extra = ["--quick"] if args.quick else []
+
+    def run(config: str) -> dict[str, Any]:
+        return run_worker("benchmarks.zero", ["--worker", config, "--steps", str(steps), *extra])
+
+    measured = alternate({c: (lambda c=c: run(c)) for c in CONFIGS}, repeats)
+    ddp = measured["ddp"]
+    ddp_time = summarize([r["step_seconds"] for r in ddp])["median"]
+    ddp_sent = ddp[0]["bytes_sent_per_step"]
+    psi = ddp[0]["psi"]
+    rows, figures = [], {}
+    for config in CONFIGS:
+        runs = measured[config]
+        state = max(runs[0]["model_state_bytes_per_rank"])
+        step = summarize([r["step_seconds"] for r in runs])
+        sent = runs[0]["bytes_sent_per_step"]
+        figures[config] = {
+            "model_state_bytes_per_rank": runs[0]["model_state_bytes_per_rank"],
+            "bytes_per_param": state / psi,
+            "state_over_theory": ratio(state, theory_bytes(config, psi)),
+            "state_over_ddp": ratio(state, max(ddp[0]["model_state_bytes_per_rank"])),
+            "bytes_sent_per_step": sent,
+            "sent_over_allreduce_volume": ratio(sent, 2 * (2 - 1) / 2 * psi * 4),
+            "sent_over_ddp": ratio(sent, ddp_sent),
+            "step_seconds": step,
+            "step_time_over_ddp": ratio(step["median"], ddp_time),
+            "peak_rss_mib_per_rank": [b / 2**20 for b in runs[0]["peak_memory_bytes_per_rank"]],
+        }
+        f = figures[config]
+        rows.append({
+            "config": config,
+            "bytes/param": f["bytes_per_param"],
+            "state / theory": f["state_over_theory"],
+            "sent MiB/step": sent / 2**20,
+            "sent / DDP": f["sent_over_ddp"],
+            "step s": step["median"],
+            "step / DDP": f["step_time_over_ddp"],
+            "peak RSS MiB": max(f["peak_rss_mib_per_rank"]),
+        })  # fmt: skip
+    print(f"\nZeRO vs DDP, char-GPT {psi / 1e6:.1f}M params, fp32 AdamW, 2 CPU ranks ({repeats} repeats, medians)")
+    table = print_table(rows, list(rows[0]))
+    headline = ", ".join(
+        f"{c}: {figures[c]['bytes_per_param']:.1f} B/param, step x{figures[c]['step_time_over_ddp']:.2f}"
+        for c in ("zero1", "zero2", "zero3")
+    )
+    payload = {"config": {"repeats": repeats, "steps": steps, "quick": args.quick, "psi": psi},
+               "figures": figures, "table": table}  # fmt: skip
+    print(f"wrote {write_results('zero', payload, headline, args.results_dir)}")
+    return figures
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
