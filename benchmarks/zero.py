@@ -135,6 +135,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS),
+                        help="subset to run (ddp, the peer, always runs)")  # fmt: skip
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=8, help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -150,13 +152,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     def run(config: str) -> dict[str, Any]:
         return run_worker("benchmarks.zero", ["--worker", config, "--steps", str(steps), *extra])
 
-    measured = alternate({c: (lambda c=c: run(c)) for c in CONFIGS}, repeats)
+    configs = ["ddp", *(c for c in args.configs if c != "ddp")]
+    measured = alternate({c: (lambda c=c: run(c)) for c in configs}, repeats)
     ddp = measured["ddp"]
     ddp_time = summarize([r["step_seconds"] for r in ddp])["median"]
     ddp_sent = ddp[0]["bytes_sent_per_step"]
     psi = ddp[0]["psi"]
     rows, figures = [], {}
-    for config in CONFIGS:
+    for config in configs:
         runs = measured[config]
         state = max(runs[0]["model_state_bytes_per_rank"])
         step = summarize([r["step_seconds"] for r in runs])
@@ -189,6 +192,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     headline = ", ".join(
         f"{c}: {figures[c]['bytes_per_param']:.1f} B/param, step x{figures[c]['step_time_over_ddp']:.2f}"
         for c in ("zero1", "zero2", "zero3")
+        if c in figures
     )
     payload = {"config": {"repeats": repeats, "steps": steps, "quick": args.quick, "psi": psi},
                "figures": figures, "table": table}  # fmt: skip

@@ -1,14 +1,14 @@
 """ZeRO stage 1 as a flat-partition optimizer wrapper: replicated parameters and gradients, sharded
 optimizer states (Rajbhandari et al., 2020, "P_os").
 
-Every parameter group's trainable parameters are laid out in one flat buffer (padded to a multiple of
-the world size) and become views into it; so do their gradients. After backward, one in-place
-reduce-scatter per group leaves each rank the averaged gradient of its contiguous partition; the user's
-optimizer (rebuilt over the partitions) updates that partition; one in-place all-gather returns the
-updated parameters to every rank. Per step each rank sends 2(N-1)/N of the gradient bytes, as a ring
+Every parameter group's trainable parameters are laid out in flat buckets (each padded to a multiple of
+the world size) and become views into them; so do their gradients. Rank ``r`` owns slice ``r`` of every
+bucket. During backward, each bucket is reduce-scattered in place as soon as its gradients are complete
+(overlapping the rest of backward); the user's optimizer, rebuilt over the owned slices, updates them;
+in-place all-gathers return the updated parameters to every rank. Per step each rank sends 2(N-1)/N of the gradient bytes, as a ring
 all-reduce would, and holds (8 + 8/N) bytes per parameter with fp32 AdamW (4 + 4 + 8/N).
 
-Partitions are exposed to the optimizer as 1-D ``DTensor`` shards of the flat group, so gradient
+Slices are exposed to the optimizer as 1-D ``DTensor`` shards of their bucket, so gradient
 clipping by norm (``torch.nn.utils.clip_grad_norm_``) computes the true global norm, and
 ``torch.distributed.checkpoint`` saves and reshards the optimizer state across world sizes.
 
@@ -43,28 +43,38 @@ ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
 
 
 @dataclass
-class _FlatGroup:
+class _Bucket:
+    """A contiguous run of parameters in one flat buffer, padded to a multiple of the world size."""
+
     params: list[nn.Parameter]
-    flat: torch.Tensor  # padded parameters, every rank
+    flat: torch.Tensor  # padded parameters (a view into the group buffer), every rank
     grad: torch.Tensor  # padded gradients, every rank
     numel: int  # unpadded
-    chunk: int  # padded partition length
-    shard: nn.Parameter  # DTensor view of this rank's partition
+    chunk: int  # partition length (padded size / world size)
+    shard: nn.Parameter | None = None  # DTensor of this rank's partition
+    pending: int = 0  # parameters whose gradient has not arrived in this backward pass
+    work: Any = None  # the in-flight reduce-scatter
 
 
 class FlatShardedOptimizer(torch.optim.Optimizer):
     """Wraps a user's optimizer so its states live only on the partition each rank owns (ZeRO-1).
 
+    Parameters are grouped into buckets of about ``bucket_bytes`` (in reverse order of registration, the
+    order in which backward produces gradients); rank ``r`` owns the ``r``-th slice of every bucket. A
+    bucket's reduce-scatter starts as soon as its last gradient arrives, overlapping communication with
+    the rest of backward, as DDP does with its all-reduce.
+
     Args:
         optimizer: The optimizer from ``configure_optimizers`` (its parameters, groups and
             hyper-parameters are taken over; it is not stepped itself).
         mesh: 1-D device mesh over the data-parallel ranks.
+        bucket_bytes: Target bucket size.
 
     Raises:
         TypeError: The optimizer is not element-wise, or cannot be rebuilt from its ``defaults``.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, mesh: Any) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, mesh: Any, bucket_bytes: int = 25 * 2**20) -> None:
         from torch.distributed.tensor import DTensor, Shard
 
         if not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
@@ -80,7 +90,7 @@ class FlatShardedOptimizer(torch.optim.Optimizer):
         self.rank = dist.get_rank(self.group)
         self.require_sync = True
         self.comm_bytes = 0  # bytes this rank sent in collectives, cumulative
-        self._groups: list[_FlatGroup] = []
+        self._buckets: list[_Bucket] = []
         inner_groups = []
         for group in optimizer.param_groups:
             params = [p for p in group["params"] if p.requires_grad]
@@ -93,22 +103,21 @@ class FlatShardedOptimizer(torch.optim.Optimizer):
                     f"`ZeroStrategy(stage=1)`: a parameter group mixes dtypes {sorted(map(str, dtypes))}; "
                     "put parameters of different dtypes into different groups."
                 )
-            flat_group = self._flatten(params)
-            self._groups.append(flat_group)
-            lo = self.rank * flat_group.chunk
-            hi = min(lo + flat_group.chunk, flat_group.numel)
-            local = flat_group.flat[lo:hi] if lo < hi else flat_group.flat[:0]
-            shard = nn.Parameter(
-                DTensor.from_local(
-                    local, mesh, [Shard(0)], run_check=False, shape=torch.Size((flat_group.numel,)), stride=(1,)
+            buckets = self._flatten(params, bucket_bytes)
+            shards = []
+            for b in buckets:
+                lo = min(self.rank * b.chunk, b.numel)
+                hi = min(lo + b.chunk, b.numel)
+                size = torch.Size((b.numel,))
+                b.shard = nn.Parameter(
+                    DTensor.from_local(b.flat[lo:hi], mesh, [Shard(0)], run_check=False, shape=size, stride=(1,))
                 )
-            )
-            grad_local = flat_group.grad[lo:hi] if lo < hi else flat_group.grad[:0]
-            shard.grad = DTensor.from_local(
-                grad_local, mesh, [Shard(0)], run_check=False, shape=torch.Size((flat_group.numel,)), stride=(1,)
-            )
-            flat_group.shard = shard
-            inner_groups.append({**hyper, "params": [shard]})
+                b.shard.grad = DTensor.from_local(
+                    b.grad[lo:hi], mesh, [Shard(0)], run_check=False, shape=size, stride=(1,)
+                )
+                shards.append(b.shard)
+            self._buckets += buckets
+            inner_groups.append({**hyper, "params": shards})
         accepted = inspect.signature(type(optimizer).__init__).parameters
         kwargs = {k: v for k, v in optimizer.defaults.items() if k in accepted}
         try:
@@ -122,63 +131,102 @@ class FlatShardedOptimizer(torch.optim.Optimizer):
         self.param_groups = self.inner.param_groups
         self.state = self.inner.state
         self._queued = False
-        for g in self._groups:
-            for p in g.params:
-                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+        self._reset_pending()
+        for b in self._buckets:
+            for p in b.params:
+                p.register_post_accumulate_grad_hook(lambda _, b=b: self._on_grad_ready(b))
 
-    def _on_grad_ready(self, param: torch.Tensor) -> None:
-        # Reduce once, when the whole backward pass has finished (as DDP finalizes its buckets), so that
-        # clipping and `on_before_optimizer_step` already see the averaged partitions.
-        if self.require_sync and not self._queued:
+    def _reset_pending(self) -> None:
+        for b in self._buckets:
+            b.pending = len(b.params)
+
+    def _on_grad_ready(self, bucket: _Bucket) -> None:
+        if not self.require_sync:
+            return
+        if not self._queued:
+            # Finish once the whole backward pass is done (as DDP finalizes its buckets), so that clipping
+            # and `on_before_optimizer_step` already see the averaged partitions.
             self._queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
+        bucket.pending -= 1
+        if bucket.pending == 0:
+            self._start_reduce(bucket)
+
+    def _start_reduce(self, b: _Bucket) -> None:
+        mine = b.grad[self.rank * b.chunk : (self.rank + 1) * b.chunk]
+        b.work = dist.reduce_scatter_tensor(mine, b.grad, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        self.comm_bytes += (self.world - 1) * mine.numel() * mine.element_size()
 
     def _on_backward_end(self) -> None:
         self._queued = False
         self.reduce_gradients()
 
-    def _flatten(self, params: list[nn.Parameter]) -> _FlatGroup:
-        numel = sum(p.numel() for p in params)
-        chunk = math.ceil(numel / self.world)
+    def _flatten(self, params: list[nn.Parameter], bucket_bytes: int) -> list[_Bucket]:
+        """Lay ``params`` out in one buffer of padded buckets; parameters and gradients become views."""
+        ordered = list(reversed(params))  # backward produces gradients roughly in reverse order
+        runs: list[list[nn.Parameter]] = [[]]
+        size = 0
+        for p in ordered:
+            if runs[-1] and size + p.numel() * p.element_size() > bucket_bytes:
+                runs.append([])
+                size = 0
+            runs[-1].append(p)
+            size += p.numel() * p.element_size()
+        chunks = [math.ceil(sum(p.numel() for p in run) / self.world) for run in runs]
         first = params[0]
-        flat = torch.zeros(chunk * self.world, dtype=first.dtype, device=first.device)
+        flat = torch.zeros(sum(chunks) * self.world, dtype=first.dtype, device=first.device)
         grad = torch.zeros_like(flat)
-        offset = 0
-        for p in params:
-            n = p.numel()
-            flat[offset : offset + n].copy_(p.detach().reshape(-1))
-            p.data = flat[offset : offset + n].view_as(p)
-            p.grad = grad[offset : offset + n].view_as(p)
-            offset += n
+        buckets, start = [], 0
+        for run, chunk in zip(runs, chunks, strict=True):
+            padded = chunk * self.world
+            b = _Bucket(run, flat[start : start + padded], grad[start : start + padded], 0, chunk)
+            offset = 0
+            for p in run:
+                n = p.numel()
+                b.flat[offset : offset + n].copy_(p.detach().reshape(-1))
+                p.data = b.flat[offset : offset + n].view_as(p)
+                p.grad = b.grad[offset : offset + n].view_as(p)
+                offset += n
+            b.numel = offset
+            buckets.append(b)
+            start += padded
         # Start from rank 0's parameters everywhere, as DDP does.
         dist.broadcast(flat, src=dist.get_global_rank(self.group, 0), group=self.group)
-        return _FlatGroup(params, flat, grad, numel, chunk, None)  # type: ignore[arg-type]
+        return buckets
 
     def _restore_grad_views(self) -> None:
-        for g in self._groups:
+        for b in self._buckets:
             offset = 0
-            for p in g.params:
+            for p in b.params:
                 n = p.numel()
-                view = g.grad[offset : offset + n].view_as(p)
+                view = b.grad[offset : offset + n].view_as(p)
                 if p.grad is None or p.grad.data_ptr() != view.data_ptr():
                     p.grad = view
                 offset += n
 
     def reduce_gradients(self) -> None:
-        """Average gradients into each rank's partition (in place); zero the partitions it does not own."""
-        for g in self._groups:
-            mine = g.grad[self.rank * g.chunk : (self.rank + 1) * g.chunk]
-            dist.reduce_scatter_tensor(mine, g.grad, op=dist.ReduceOp.SUM, group=self.group)
-            mine.div_(self.world)
-            g.grad[: self.rank * g.chunk].zero_()
-            g.grad[(self.rank + 1) * g.chunk :].zero_()
-            self.comm_bytes += (self.world - 1) * mine.numel() * mine.element_size()
+        """Finish every bucket's reduce-scatter: average this rank's slices, zero the slices it does not own."""
+        for b in self._buckets:
+            if b.work is None:
+                self._start_reduce(b)  # parameters without gradients this pass (unused) or no hooks fired
+        for b in self._buckets:
+            b.work.wait()
+            b.work = None
+            lo, hi = self.rank * b.chunk, (self.rank + 1) * b.chunk
+            b.grad[lo:hi].div_(self.world)
+            b.grad[:lo].zero_()
+            b.grad[hi:].zero_()
+        self._reset_pending()
 
     def gather_parameters(self) -> None:
-        for g in self._groups:
-            mine = g.flat[self.rank * g.chunk : (self.rank + 1) * g.chunk]
-            dist.all_gather_into_tensor(g.flat, mine, group=self.group)
+        works = []
+        for b in self._buckets:
+            mine = b.flat[self.rank * b.chunk : (self.rank + 1) * b.chunk]
+            works.append(dist.all_gather_into_tensor(b.flat, mine, group=self.group, async_op=True))
             self.comm_bytes += (self.world - 1) * mine.numel() * mine.element_size()
+        for work in works:
+            if work is not None:
+                work.wait()
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
@@ -201,16 +249,16 @@ class FlatShardedOptimizer(torch.optim.Optimizer):
         lrs = [group["lr"] for group in self.inner.param_groups]
         for group in self.inner.param_groups:
             group["lr"] = 0.0
-        for g in self._groups:
-            g.grad.zero_()
+        for b in self._buckets:
+            b.grad.zero_()
         self.inner.step()
         for group, lr in zip(self.inner.param_groups, lrs, strict=True):
             group["lr"] = lr
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         # Gradients are views into the flat buffers: zero them, never drop them.
-        for g in self._groups:
-            g.grad.zero_()
+        for b in self._buckets:
+            b.grad.zero_()
         self._restore_grad_views()
 
     def state_dict(self) -> dict[str, Any]:
@@ -225,7 +273,7 @@ class FlatShardedOptimizer(torch.optim.Optimizer):
         """Bytes held by this rank: full parameters and gradients, its partition of the optimizer state."""
         from lightning_bigtrain.functional.memory import tensor_bytes
 
-        params = sum(g.numel * g.flat.element_size() for g in self._groups)
+        params = sum(b.numel * b.flat.element_size() for b in self._buckets)
         states = (v for s in self.inner.state.values() for v in s.values() if isinstance(v, torch.Tensor))
         opt = sum(tensor_bytes(t) for t in states)
         return {"params": params, "grads": params, "optimizer": opt, "total": 2 * params + opt}

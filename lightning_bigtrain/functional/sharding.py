@@ -7,7 +7,7 @@ from collections.abc import Iterable
 
 from torch import nn
 
-__all__ = ["auto_wrap_targets", "has_dtensor_params", "shard_module_"]
+__all__ = ["auto_wrap_targets", "has_dtensor_params", "is_fully_sharded", "shard_module_"]
 
 _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 
@@ -63,6 +63,15 @@ def has_dtensor_params(module: nn.Module) -> bool:
     from torch.distributed.tensor import DTensor
 
     return any(isinstance(p, DTensor) for p in module.parameters())
+
+
+def is_fully_sharded(module: nn.Module) -> bool:
+    """True if FSDP2's ``fully_shard`` was applied to ``module`` or any submodule (by the user's
+    ``configure_model`` or an earlier run). Unlike :func:`has_dtensor_params` this stays true while
+    FSDP2 holds parameters unsharded between forward and backward."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in module.modules())
 
 
 def shard_module_(

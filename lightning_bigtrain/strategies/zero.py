@@ -20,7 +20,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_bigtrain.functional.flat_shard import FlatShardedOptimizer
 from lightning_bigtrain.functional.memory import model_state_bytes
-from lightning_bigtrain.functional.sharding import auto_wrap_targets, has_dtensor_params, shard_module_
+from lightning_bigtrain.functional.sharding import auto_wrap_targets, is_fully_sharded, shard_module_
 from lightning_bigtrain.warnings import NoEffectWarning, warn_once
 
 if TYPE_CHECKING:
@@ -160,7 +160,7 @@ class ZeroStrategy(ModelParallelStrategy):
         if method == "popen":
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
-            self._launcher = _MultiProcessingLauncher(self, start_method=method)
+            self._launcher = _FullWeightsLauncher(self, start_method=method)
 
     def setup_environment(self) -> None:
         # One flat data-parallel mesh over every rank of every node.
@@ -183,8 +183,8 @@ class ZeroStrategy(ModelParallelStrategy):
         if self.stage == 1:
             self._setup_stage1(trainer)
             return
-        if not has_dtensor_params(self.model):
-            # Not sharded by the user's configure_model (if any): choose units and shard here.
+        if not is_fully_sharded(self.model):
+            # Not sharded by the user's configure_model, nor by an earlier validate/fit: shard here.
             self.model = self.precision_plugin.convert_module(self.model)
             self.model_to_device()
             shard_module_(
@@ -206,7 +206,7 @@ class ZeroStrategy(ModelParallelStrategy):
     def _setup_stage1(self, trainer: L.Trainer) -> None:
         """Replicated parameters; each optimizer rebuilt over flat partitions (FlatShardedOptimizer)."""
         assert self.model is not None
-        if has_dtensor_params(self.model):
+        if is_fully_sharded(self.model):
             raise ValueError(
                 "`ZeroStrategy(stage=1)` got a model that configure_model already sharded (DTensor parameters); "
                 "stage 1 keeps parameters replicated. Use stage=2 or 3 with this model."
@@ -309,7 +309,7 @@ class ZeroStrategy(ModelParallelStrategy):
 
     def model_to_device(self) -> None:
         assert self.model is not None
-        if not (self.offload_optimizer and self.root_device.type != "cpu" and has_dtensor_params(self.model)):
+        if not (self.offload_optimizer and self.root_device.type != "cpu" and is_fully_sharded(self.model)):
             self.model.to(self.root_device)
 
     def _mp_policy(self) -> Any:
@@ -394,6 +394,28 @@ class ZeroStrategy(ModelParallelStrategy):
                 metrics[f"zero/rank{rank}_{name}_bytes"] = value
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
+
+
+class _FullWeightsLauncher(_MultiProcessingLauncher):
+    """Fork/spawn launcher that hands the main process full (gathered) weights, not rank 0's shards."""
+
+    def _collect_rank_zero_results(self, trainer: L.Trainer, results: Any) -> Any:
+        import tempfile
+
+        from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        callback = trainer.checkpoint_callback
+        best_model_path = getattr(callback, "best_model_path", None) if callback else None
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state_dict = get_model_state_dict(trainer.lightning_module, options=options)  # collective: every rank
+        if self._strategy.local_rank != 0:
+            return None
+        weights_path = None
+        if trainer.state.fn == TrainerFn.FITTING:
+            weights_path = os.path.join(tempfile.mkdtemp(), ".temp.ckpt")
+            self._strategy.checkpoint_io.save_checkpoint(state_dict, weights_path)
+        return _WorkerOutput(best_model_path, weights_path, trainer.state, results, self.get_extra_results(trainer))
 
 
 def _is_url(location: str) -> bool:

@@ -18,7 +18,7 @@ def _net() -> nn.Module:
     return nn.Sequential(nn.Linear(7, 5), nn.Tanh(), nn.Linear(5, 3, bias=False))
 
 
-def _steps(rank: int, optimizer_name: str) -> dict:
+def _steps(rank: int, optimizer_name: str, bucket_bytes: int = 25 * 2**20) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2,))
@@ -28,7 +28,7 @@ def _steps(rank: int, optimizer_name: str) -> dict:
         "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
     }[optimizer_name]
     ref_opt = make(reference.parameters())
-    opt = FlatShardedOptimizer(make(sharded.parameters()), mesh)
+    opt = FlatShardedOptimizer(make(sharded.parameters()), mesh, bucket_bytes=bucket_bytes)
     for step in range(5):
         torch.manual_seed(100 + step)
         xs = torch.randn(2, 4, 7)  # both ranks draw both halves of the global batch
@@ -41,6 +41,7 @@ def _steps(rank: int, optimizer_name: str) -> dict:
         opt.step()
     state = opt.model_state_bytes()
     return {
+        "buckets": len(opt._buckets),
         "ref": torch.cat([p.detach().reshape(-1) for p in reference.parameters()]),
         "ours": torch.cat([p.detach().reshape(-1) for p in sharded.parameters()]),
         "state": state,
@@ -60,6 +61,14 @@ def test_matches_the_unsharded_optimizer(optimizer_name):
         assert all(r["state"]["params"] == r["state"]["grads"] == 4 * 55 for r in results)
     # Per step: reduce-scatter + all-gather of the padded 56-element group, half of each sent.
     assert all(r["comm"] == 5 * 2 * 28 * 4 for r in results)
+
+
+def test_many_buckets_give_the_same_updates():
+    # 64-byte buckets: every parameter tensor in a bucket of its own, reduced as soon as it is ready.
+    results = run_on_ranks(_steps, "adamw", 64)
+    for r in results:
+        assert r["buckets"] == 3
+        torch.testing.assert_close(r["ours"], r["ref"], rtol=1e-5, atol=1e-6)
 
 
 def _reject(rank: int) -> str:
