@@ -48,41 +48,59 @@ class _Bucket:
 
     params: list[nn.Parameter]
     flat: torch.Tensor  # padded parameters (a view into the group buffer), every rank
-    grad: torch.Tensor  # padded gradients, every rank
+    grad: torch.Tensor | None  # stage 1: padded gradients (a view into the group buffer), every rank
     numel: int  # unpadded
     chunk: int  # partition length (padded size / world size)
+    offsets: list[int]  # where each parameter starts in the bucket
     shard: nn.Parameter | None = None  # DTensor of this rank's partition
+    shard_grad: torch.Tensor | None = None  # stage 2: this rank's reduced gradient slice (persistent)
+    staging: torch.Tensor | None = None  # stage 2: the bucket's gradients during one backward pass
     pending: int = 0  # parameters whose gradient has not arrived in this backward pass
     work: Any = None  # the in-flight reduce-scatter
 
 
 class FlatShardedOptimizer(torch.optim.Optimizer):
-    """Wraps a user's optimizer so its states live only on the partition each rank owns (ZeRO-1).
+    """Wraps a user's optimizer so its states (ZeRO-1), and optionally its gradients (ZeRO-2), live only
+    on the partition each rank owns.
 
     Parameters are grouped into buckets of about ``bucket_bytes`` (in reverse order of registration, the
     order in which backward produces gradients); rank ``r`` owns the ``r``-th slice of every bucket. A
     bucket's reduce-scatter starts as soon as its last gradient arrives, overlapping communication with
     the rest of backward, as DDP does with its all-reduce.
 
+    With ``shard_gradients=True`` (stage 2) no full gradient buffer is kept: each parameter's gradient is
+    copied into its bucket's staging buffer as soon as autograd produces it and then freed; the staging
+    buffer is reduce-scattered and released, and only this rank's slice of the averaged gradient stays
+    (accumulating over micro-batches). ``param.grad`` is then None outside backward: read gradients from
+    the optimizer's (DTensor) parameters instead.
+
     Args:
         optimizer: The optimizer from ``configure_optimizers`` (its parameters, groups and
             hyper-parameters are taken over; it is not stepped itself).
         mesh: 1-D device mesh over the data-parallel ranks.
         bucket_bytes: Target bucket size.
+        shard_gradients: Keep only this rank's slice of the gradients (ZeRO-2).
 
     Raises:
         TypeError: The optimizer is not element-wise, or cannot be rebuilt from its ``defaults``.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, mesh: Any, bucket_bytes: int = 25 * 2**20) -> None:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        mesh: Any,
+        bucket_bytes: int = 25 * 2**20,
+        shard_gradients: bool = False,
+    ) -> None:
         from torch.distributed.tensor import DTensor, Shard
 
+        self.stage = 2 if shard_gradients else 1
         if not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
             names = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
             raise TypeError(
-                f"`ZeroStrategy(stage=1)` cannot shard {type(optimizer).__name__}: stage 1 hands each rank a flat "
-                f"slice of the parameters, which is only correct for element-wise optimizers ({names}). "
-                "Use stage=2 or 3 (per-parameter sharding) or one of these optimizers."
+                f"`ZeroStrategy(stage={self.stage})` cannot shard {type(optimizer).__name__}: stage {self.stage} "
+                "hands each rank a flat slice of the parameters, which is only correct for element-wise "
+                f"optimizers ({names}). Use stage=3 (per-parameter sharding) or one of these optimizers."
             )
         self.mesh = mesh
         self.group = mesh.get_group()
@@ -100,7 +118,7 @@ class FlatShardedOptimizer(torch.optim.Optimizer):
             dtypes = {p.dtype for p in params}
             if len(dtypes) != 1:
                 raise TypeError(
-                    f"`ZeroStrategy(stage=1)`: a parameter group mixes dtypes {sorted(map(str, dtypes))}; "
+                    f"`ZeroStrategy(stage={self.stage})`: a parameter group mixes dtypes {sorted(map(str, dtypes))}; "
                     "put parameters of different dtypes into different groups."
                 )
             buckets = self._flatten(params, bucket_bytes)
@@ -112,8 +130,9 @@ class FlatShardedOptimizer(torch.optim.Optimizer):
                 b.shard = nn.Parameter(
                     DTensor.from_local(b.flat[lo:hi], mesh, [Shard(0)], run_check=False, shape=size, stride=(1,))
                 )
+                local_grad = b.grad[lo:hi] if b.grad is not None else b.shard_grad[: hi - lo]  # type: ignore[index]
                 b.shard.grad = DTensor.from_local(
-                    b.grad[lo:hi], mesh, [Shard(0)], run_check=False, shape=size, stride=(1,)
+                    local_grad, mesh, [Shard(0)], run_check=False, shape=size, stride=(1,)
                 )
                 shards.append(b.shard)
             self._buckets += buckets
@@ -124,7 +143,7 @@ class FlatShardedOptimizer(torch.optim.Optimizer):
             self.inner = type(optimizer)(inner_groups, **kwargs)
         except TypeError as err:
             raise TypeError(
-                f"`ZeroStrategy(stage=1)` could not rebuild {type(optimizer).__name__} from its defaults: {err}"
+                f"`ZeroStrategy(stage={self.stage})` could not rebuild {type(optimizer).__name__} from its defaults: {err}"
             ) from err
         super().__init__([torch.zeros(0)], dict(optimizer.defaults))
         # Share the inner optimizer's groups and state so schedulers and checkpoints act on the shards.
@@ -133,15 +152,24 @@ class FlatShardedOptimizer(torch.optim.Optimizer):
         self._queued = False
         self._reset_pending()
         for b in self._buckets:
-            for p in b.params:
-                p.register_post_accumulate_grad_hook(lambda _, b=b: self._on_grad_ready(b))
+            for i, p in enumerate(b.params):
+                p.register_post_accumulate_grad_hook(lambda param, b=b, i=i: self._on_grad_ready(b, i, param))
 
     def _reset_pending(self) -> None:
         for b in self._buckets:
             b.pending = len(b.params)
 
-    def _on_grad_ready(self, bucket: _Bucket) -> None:
-        if not self.require_sync:
+    def _on_grad_ready(self, bucket: _Bucket, index: int, param: torch.Tensor) -> None:
+        if self.stage == 2:
+            # Move the gradient into the bucket's staging buffer and free it (stage 2 reduces every
+            # backward pass, accumulation included, and keeps only the reduced slice).
+            if bucket.staging is None:
+                bucket.staging = torch.zeros_like(bucket.flat)
+            offset = bucket.offsets[index]
+            assert param.grad is not None
+            bucket.staging[offset : offset + param.numel()].copy_(param.grad.reshape(-1))
+            param.grad = None
+        elif not self.require_sync:
             return
         if not self._queued:
             # Finish once the whole backward pass is done (as DDP finalizes its buckets), so that clipping
@@ -152,9 +180,17 @@ class FlatShardedOptimizer(torch.optim.Optimizer):
         if bucket.pending == 0:
             self._start_reduce(bucket)
 
+    def _buffer(self, b: _Bucket) -> torch.Tensor:
+        if b.grad is not None:
+            return b.grad
+        if b.staging is None:  # no gradient reached this bucket (unused parameters): contribute zeros
+            b.staging = torch.zeros_like(b.flat)
+        return b.staging
+
     def _start_reduce(self, b: _Bucket) -> None:
-        mine = b.grad[self.rank * b.chunk : (self.rank + 1) * b.chunk]
-        b.work = dist.reduce_scatter_tensor(mine, b.grad, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        buffer = self._buffer(b)
+        mine = buffer[self.rank * b.chunk : (self.rank + 1) * b.chunk]
+        b.work = dist.reduce_scatter_tensor(mine, buffer, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         self.comm_bytes += (self.world - 1) * mine.numel() * mine.element_size()
 
     def _on_backward_end(self) -> None:
@@ -175,17 +211,22 @@ class FlatShardedOptimizer(torch.optim.Optimizer):
         chunks = [math.ceil(sum(p.numel() for p in run) / self.world) for run in runs]
         first = params[0]
         flat = torch.zeros(sum(chunks) * self.world, dtype=first.dtype, device=first.device)
-        grad = torch.zeros_like(flat)
+        grad = torch.zeros_like(flat) if self.stage == 1 else None
         buckets, start = [], 0
         for run, chunk in zip(runs, chunks, strict=True):
             padded = chunk * self.world
-            b = _Bucket(run, flat[start : start + padded], grad[start : start + padded], 0, chunk)
+            b = _Bucket(run, flat[start : start + padded], None, 0, chunk, [])
+            if grad is not None:
+                b.grad = grad[start : start + padded]
+            else:
+                b.shard_grad = torch.zeros(chunk, dtype=flat.dtype, device=flat.device)
             offset = 0
             for p in run:
                 n = p.numel()
+                b.offsets.append(offset)
                 b.flat[offset : offset + n].copy_(p.detach().reshape(-1))
                 p.data = b.flat[offset : offset + n].view_as(p)
-                p.grad = b.grad[offset : offset + n].view_as(p)
+                p.grad = b.grad[offset : offset + n].view_as(p) if b.grad is not None else None
                 offset += n
             b.numel = offset
             buckets.append(b)
@@ -196,6 +237,10 @@ class FlatShardedOptimizer(torch.optim.Optimizer):
 
     def _restore_grad_views(self) -> None:
         for b in self._buckets:
+            if b.grad is None:
+                for p in b.params:
+                    p.grad = None
+                continue
             offset = 0
             for p in b.params:
                 n = p.numel()
@@ -213,9 +258,14 @@ class FlatShardedOptimizer(torch.optim.Optimizer):
             b.work.wait()
             b.work = None
             lo, hi = self.rank * b.chunk, (self.rank + 1) * b.chunk
-            b.grad[lo:hi].div_(self.world)
-            b.grad[:lo].zero_()
-            b.grad[hi:].zero_()
+            if b.grad is not None:
+                b.grad[lo:hi].div_(self.world)
+                b.grad[:lo].zero_()
+                b.grad[hi:].zero_()
+            else:
+                assert b.staging is not None and b.shard_grad is not None
+                b.shard_grad.add_(b.staging[lo:hi], alpha=1.0 / self.world)
+                b.staging = None
         self._reset_pending()
 
     def gather_parameters(self) -> None:
@@ -249,16 +299,15 @@ class FlatShardedOptimizer(torch.optim.Optimizer):
         lrs = [group["lr"] for group in self.inner.param_groups]
         for group in self.inner.param_groups:
             group["lr"] = 0.0
-        for b in self._buckets:
-            b.grad.zero_()
+        self.zero_grad()
         self.inner.step()
         for group, lr in zip(self.inner.param_groups, lrs, strict=True):
             group["lr"] = lr
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        # Gradients are views into the flat buffers: zero them, never drop them.
+        # Gradients are views into the flat buffers (stage 1) or owned slices (stage 2): zero, never drop.
         for b in self._buckets:
-            b.grad.zero_()
+            (b.grad if b.grad is not None else b.shard_grad).zero_()  # type: ignore[union-attr]
         self._restore_grad_views()
 
     def state_dict(self) -> dict[str, Any]:
@@ -268,12 +317,3 @@ class FlatShardedOptimizer(torch.optim.Optimizer):
         self.inner.load_state_dict(state_dict)
         self.param_groups = self.inner.param_groups
         self.state = self.inner.state
-
-    def model_state_bytes(self) -> dict[str, int]:
-        """Bytes held by this rank: full parameters and gradients, its partition of the optimizer state."""
-        from lightning_bigtrain.functional.memory import tensor_bytes
-
-        params = sum(b.numel * b.flat.element_size() for b in self._buckets)
-        states = (v for s in self.inner.state.values() for v in s.values() if isinstance(v, torch.Tensor))
-        opt = sum(tensor_bytes(t) for t in states)
-        return {"params": params, "grads": params, "optimizer": opt, "total": 2 * params + opt}

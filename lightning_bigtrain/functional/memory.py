@@ -12,39 +12,57 @@ from torch import nn
 __all__ = ["model_state_bytes", "peak_memory_bytes", "tensor_bytes"]
 
 
-def tensor_bytes(t: torch.Tensor) -> int:
-    """Bytes this process holds for ``t``: its local shard when ``t`` is a DTensor."""
+def _local(t: torch.Tensor) -> torch.Tensor:
     to_local = getattr(t, "to_local", None)
-    local = to_local() if callable(to_local) else t
+    return to_local() if callable(to_local) else t
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    """Bytes of ``t``'s elements held by this process: its local shard when ``t`` is a DTensor."""
+    local = _local(t)
     return local.numel() * local.element_size()
 
 
-def _unique(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+def _storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views into one flat buffer count it once)."""
     seen: set[int] = set()
-    out = []
+    total = 0
     for t in tensors:
-        if id(t) not in seen:
-            seen.add(id(t))
-            out.append(t)
-    return out
+        if t is None:
+            continue
+        local = _local(t)
+        if local.numel() == 0:
+            continue
+        storage = local.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
 
 
 def model_state_bytes(module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
     """Bytes of parameters, gradients and optimizer states held by this process.
 
+    Counted by distinct storage: shared parameters count once; parameters or gradients that are views
+    into one flat buffer count that buffer once; DTensors count their local shard. The optimizer's own
+    parameters are included (a sharded optimizer may step slices that are not module parameters, with
+    gradients of their own).
+
     Returns:
-        ``{"params": ..., "grads": ..., "optimizer": ..., "total": ...}``. Shared parameters count once;
-        sharded (DTensor) parameters and states count their local shard only.
+        ``{"params": ..., "grads": ..., "optimizer": ..., "total": ...}``.
     """
-    params = _unique(module.parameters())
+    params = list(module.parameters())
+    if optimizer is not None:
+        params += [p for group in optimizer.param_groups for p in group["params"]]
     out = {
-        "params": sum(tensor_bytes(p) for p in params),
-        "grads": sum(tensor_bytes(p.grad) for p in params if p.grad is not None),
+        "params": _storage_bytes(params),
+        "grads": _storage_bytes(p.grad for p in params),
         "optimizer": 0,
     }
     if optimizer is not None:
-        states = (v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor))
-        out["optimizer"] = sum(tensor_bytes(t) for t in _unique(states))
+        out["optimizer"] = _storage_bytes(
+            v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)
+        )
     out["total"] = out["params"] + out["grads"] + out["optimizer"]
     return out
 

@@ -36,14 +36,15 @@ _STAGES = (1, 2, 3)
 class ZeroStrategy(ModelParallelStrategy):
     """ZeRO data parallelism (Rajbhandari et al., 2020) for any LightningModule.
 
-    * ``stage=1``: optimizer states sharded; parameters and gradients replicated. Gradients are
-      reduce-scattered into flat partitions, each rank updates its partition with the user's optimizer,
-      and an all-gather returns the parameters
+    * ``stage=1``: optimizer states sharded; parameters and gradients replicated. Gradient buckets are
+      reduce-scattered into flat partitions during backward, each rank updates its partition with the
+      user's optimizer, and all-gathers return the parameters
       (:class:`~lightning_bigtrain.functional.flat_shard.FlatShardedOptimizer`; element-wise optimizers).
-    * ``stage=2``: optimizer states and gradients sharded across ranks; parameters are gathered for
-      forward and kept gathered through backward (FSDP2 ``reshard_after_forward=False``).
-    * ``stage=3``: parameters sharded too, gathered per unit for forward and again for backward
-      (``reshard_after_forward=True``).
+    * ``stage=2``: gradients sharded too: the same engine keeps only each rank's reduced gradient slice
+      (``param.grad`` is None outside backward). With offloading, stage 2 runs on FSDP2 instead
+      (``reshard_after_forward=False`` + ``CPUOffloadPolicy``).
+    * ``stage=3``: parameters sharded too, on FSDP2: gathered per unit for forward and again for
+      backward (``reshard_after_forward=True``).
 
     Sharding units are chosen automatically (repeated blocks, else submodules above ``min_wrap_params``
     parameters; see :func:`~lightning_bigtrain.functional.sharding.auto_wrap_targets`), unless the
@@ -180,8 +181,8 @@ class ZeroStrategy(ModelParallelStrategy):
                 f"({type(module).__name__}): there is nothing to shard or train."
             )
         _materialize_distributed_module(self.model, self.root_device)
-        if self.stage == 1:
-            self._setup_stage1(trainer)
+        if self._flat_engine:
+            self._setup_flat(trainer)
             return
         if not is_fully_sharded(self.model):
             # Not sharded by the user's configure_model, nor by an earlier validate/fit: shard here.
@@ -203,13 +204,18 @@ class ZeroStrategy(ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING and not self.offload_optimizer:
             _optimizers_to_device(self.optimizers, self.root_device)
 
-    def _setup_stage1(self, trainer: L.Trainer) -> None:
+    @property
+    def _flat_engine(self) -> bool:
+        """Stages 1 and 2 run on FlatShardedOptimizer; stage 3 and offloading on FSDP2."""
+        return self.stage == 1 or (self.stage == 2 and not self.offload_optimizer)
+
+    def _setup_flat(self, trainer: L.Trainer) -> None:
         """Replicated parameters; each optimizer rebuilt over flat partitions (FlatShardedOptimizer)."""
         assert self.model is not None
         if is_fully_sharded(self.model):
             raise ValueError(
-                "`ZeroStrategy(stage=1)` got a model that configure_model already sharded (DTensor parameters); "
-                "stage 1 keeps parameters replicated. Use stage=2 or 3 with this model."
+                f"`ZeroStrategy(stage={self.stage})` got a model that configure_model already sharded with "
+                f"fully_shard; stage {self.stage} keeps parameters replicated. Use stage=3 with this model."
             )
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -219,7 +225,7 @@ class ZeroStrategy(ModelParallelStrategy):
             mesh = self.device_mesh["data_parallel"]
             wrapped: list[torch.optim.Optimizer] = []
             for optimizer in self.optimizers:
-                flat = FlatShardedOptimizer(optimizer, mesh)
+                flat = FlatShardedOptimizer(optimizer, mesh, shard_gradients=self.stage == 2)
                 for config in self.lr_scheduler_configs:
                     if getattr(config.scheduler, "optimizer", None) is optimizer:
                         config.scheduler.optimizer = flat
@@ -233,7 +239,8 @@ class ZeroStrategy(ModelParallelStrategy):
 
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
-        """Skip the gradient reduction of stage 1 while gradients accumulate (as DDP's ``no_sync``)."""
+        """Skip stage 1's gradient reduction while gradients accumulate (as DDP's ``no_sync``). Stage 2
+        reduces every micro-batch into its gradient slice: it keeps no full gradients to accumulate in."""
         flats = [o for o in self.optimizers if isinstance(o, FlatShardedOptimizer)]
         for o in flats:
             o.require_sync = False
@@ -273,7 +280,7 @@ class ZeroStrategy(ModelParallelStrategy):
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         location = str(self.broadcast(str(checkpoint_path)))
-        if self.stage != 1 and not _is_url(location):
+        if not self._flat_engine and not _is_url(location):
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         import fsspec
         import torch.distributed.checkpoint as dcp
@@ -378,10 +385,7 @@ class ZeroStrategy(ModelParallelStrategy):
 
         inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
         assert self.model is not None
-        if isinstance(inner, FlatShardedOptimizer):
-            local = inner.model_state_bytes()
-        else:
-            local = model_state_bytes(self.model, inner)
+        local = model_state_bytes(self.model, inner)
         self.memory = local
         values = torch.tensor([local["params"], local["grads"], local["optimizer"]], dtype=torch.float64)
         gathered = self.all_gather(values.to(self.root_device)).reshape(-1, 3).cpu()

@@ -18,8 +18,10 @@ def _net() -> nn.Module:
     return nn.Sequential(nn.Linear(7, 5), nn.Tanh(), nn.Linear(5, 3, bias=False))
 
 
-def _steps(rank: int, optimizer_name: str, bucket_bytes: int = 25 * 2**20) -> dict:
+def _steps(rank: int, optimizer_name: str, bucket_bytes: int = 25 * 2**20, shard_gradients: bool = False) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_bigtrain.functional.memory import model_state_bytes
 
     mesh = init_device_mesh("cpu", (2,))
     reference, sharded = _net(), _net()
@@ -28,7 +30,7 @@ def _steps(rank: int, optimizer_name: str, bucket_bytes: int = 25 * 2**20) -> di
         "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
     }[optimizer_name]
     ref_opt = make(reference.parameters())
-    opt = FlatShardedOptimizer(make(sharded.parameters()), mesh, bucket_bytes=bucket_bytes)
+    opt = FlatShardedOptimizer(make(sharded.parameters()), mesh, bucket_bytes, shard_gradients)
     for step in range(5):
         torch.manual_seed(100 + step)
         xs = torch.randn(2, 4, 7)  # both ranks draw both halves of the global batch
@@ -39,33 +41,42 @@ def _steps(rank: int, optimizer_name: str, bucket_bytes: int = 25 * 2**20) -> di
         opt.zero_grad()
         sharded(xs[rank]).pow(2).mean().backward()  # reduce-scatter runs at the end of backward
         opt.step()
-    state = opt.model_state_bytes()
+    opt.zero_grad()
+    sharded(xs[rank]).pow(2).mean().backward()  # gradients present, as at the step's peak
+    state = model_state_bytes(sharded, opt)
     return {
         "buckets": len(opt._buckets),
         "ref": torch.cat([p.detach().reshape(-1) for p in reference.parameters()]),
         "ours": torch.cat([p.detach().reshape(-1) for p in sharded.parameters()]),
         "state": state,
         "comm": opt.comm_bytes,
+        "grad_is_none": all(p.grad is None for p in sharded.parameters()),
     }
 
 
+@pytest.mark.parametrize("shard_gradients", [False, True], ids=["stage1", "stage2"])
 @pytest.mark.parametrize("optimizer_name", ["adamw", "sgd"])
-def test_matches_the_unsharded_optimizer(optimizer_name):
-    results = run_on_ranks(_steps, optimizer_name)
+def test_matches_the_unsharded_optimizer(optimizer_name, shard_gradients):
+    results = run_on_ranks(_steps, optimizer_name, 25 * 2**20, shard_gradients)
     for r in results:
         torch.testing.assert_close(r["ours"], r["ref"], rtol=1e-5, atol=1e-6)
     assert torch.equal(results[0]["ours"], results[1]["ours"])
     if optimizer_name == "adamw":
-        # 55 params: 4 B params + 4 B grads replicated; exp_avg + exp_avg_sq on 28 / 27 elements + step.
+        # 55 params in one bucket padded to 56: parameters replicated (4 B each); exp_avg + exp_avg_sq on
+        # this rank's 28 / 27 elements, plus the step counter; gradients replicated (stage 1) or this
+        # rank's 28-element slice only (stage 2).
         assert [r["state"]["optimizer"] for r in results] == [8 * 28 + 4, 8 * 27 + 4]
-        assert all(r["state"]["params"] == r["state"]["grads"] == 4 * 55 for r in results)
-    # Per step: reduce-scatter + all-gather of the padded 56-element group, half of each sent.
-    assert all(r["comm"] == 5 * 2 * 28 * 4 for r in results)
+        assert all(r["state"]["params"] == 4 * 56 for r in results)
+        assert all(r["state"]["grads"] == (4 * 28 if shard_gradients else 4 * 56) for r in results)
+    assert all(r["grad_is_none"] == shard_gradients for r in results)
+    # Per step: reduce-scatter + all-gather of the padded 56-element bucket, half of each sent (and the
+    # extra backward above reduces once more).
+    assert all(r["comm"] == 5 * 2 * 28 * 4 + 28 * 4 for r in results)
 
 
 def test_many_buckets_give_the_same_updates():
     # 64-byte buckets: every parameter tensor in a bucket of its own, reduced as soon as it is ready.
-    results = run_on_ranks(_steps, "adamw", 64)
+    results = run_on_ranks(_steps, "adamw", 64, True)
     for r in results:
         assert r["buckets"] == 3
         torch.testing.assert_close(r["ours"], r["ref"], rtol=1e-5, atol=1e-6)
@@ -84,4 +95,4 @@ def _reject(rank: int) -> str:
 
 def test_rejects_optimizers_that_are_not_elementwise():
     message = run_on_ranks(_reject)[0]
-    assert "cannot shard LBFGS" in message and "Use stage=2 or 3" in message
+    assert "cannot shard LBFGS" in message and "Use stage=3 (per-parameter sharding)" in message
