@@ -5,8 +5,8 @@ Every parameter group's trainable parameters are laid out in flat buckets (each 
 the world size) and become views into them; so do their gradients. Rank ``r`` owns slice ``r`` of every
 bucket. During backward, each bucket is reduce-scattered in place as soon as its gradients are complete
 (overlapping the rest of backward); the user's optimizer, rebuilt over the owned slices, updates them;
-in-place all-gathers return the updated parameters to every rank. Per step each rank sends 2(N-1)/N of the gradient bytes, as a ring
-all-reduce would, and holds (8 + 8/N) bytes per parameter with fp32 AdamW (4 + 4 + 8/N).
+in-place all-gathers return the updated parameters to every rank. Per step each rank sends 2(N-1)/N of
+the gradient bytes, as a ring all-reduce would, and holds (8 + 8/N) bytes per parameter with fp32 AdamW (4 + 4 + 8/N).
 
 Slices are exposed to the optimizer as 1-D ``DTensor`` shards of their bucket, so gradient
 clipping by norm (``torch.nn.utils.clip_grad_norm_``) computes the true global norm, and
@@ -143,7 +143,8 @@ class FlatShardedOptimizer(torch.optim.Optimizer):
             self.inner = type(optimizer)(inner_groups, **kwargs)
         except TypeError as err:
             raise TypeError(
-                f"`ZeroStrategy(stage={self.stage})` could not rebuild {type(optimizer).__name__} from its defaults: {err}"
+                f"`ZeroStrategy(stage={self.stage})` could not rebuild {type(optimizer).__name__} "
+                f"from its defaults: {err}"
             ) from err
         super().__init__([torch.zeros(0)], dict(optimizer.defaults))
         # Share the inner optimizer's groups and state so schedulers and checkpoints act on the shards.
