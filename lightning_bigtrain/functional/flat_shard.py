@@ -1,12 +1,14 @@
-"""ZeRO stage 1 as a flat-partition optimizer wrapper: replicated parameters and gradients, sharded
-optimizer states (Rajbhandari et al., 2020, "P_os").
+"""ZeRO stages 1 and 2 as a flat-partition optimizer wrapper (Rajbhandari et al., 2020): replicated
+parameters; sharded optimizer states ("P_os", stage 1) and optionally sharded gradients ("P_os+g", stage 2).
 
 Every parameter group's trainable parameters are laid out in flat buckets (each padded to a multiple of
 the world size) and become views into them; so do their gradients. Rank ``r`` owns slice ``r`` of every
 bucket. During backward, each bucket is reduce-scattered in place as soon as its gradients are complete
 (overlapping the rest of backward); the user's optimizer, rebuilt over the owned slices, updates them;
 in-place all-gathers return the updated parameters to every rank. Per step each rank sends 2(N-1)/N of
-the gradient bytes, as a ring all-reduce would, and holds (8 + 8/N) bytes per parameter with fp32 AdamW (4 + 4 + 8/N).
+the gradient bytes, as a ring all-reduce would. With fp32 AdamW a rank holds (8 + 8/N) bytes per
+parameter at stage 1 (4 + 4 + 8/N) and (4 + 12/N) at stage 2, where only its slice of the reduced
+gradients is kept (the ZeRO paper's formulas).
 
 Slices are exposed to the optimizer as 1-D ``DTensor`` shards of their bucket, so gradient
 clipping by norm (``torch.nn.utils.clip_grad_norm_``) computes the true global norm, and
