@@ -195,6 +195,7 @@ class ZeroStrategy(ModelParallelStrategy):
                 targets=auto_wrap_targets(self.model, self.min_wrap_params),
                 mp_policy=self._mp_policy(),
                 offload_policy=self._offload_policy(),
+                async_prefetch=self.root_device.type == "cpu",
             )
         self.model_to_device()
         self.barrier()
