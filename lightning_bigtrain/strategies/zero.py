@@ -50,8 +50,9 @@ class ZeroStrategy(ModelParallelStrategy):
     parameters; see :func:`~lightning_bigtrain.functional.sharding.auto_wrap_targets`), unless the
     module already sharded itself in ``configure_model``. Works with any optimizer and LR scheduler from
     ``configure_optimizers``, gradient accumulation, gradient clipping by the global norm over all
-    shards, frozen parameters, and ``precision="bf16-mixed"`` (mapped onto FSDP2's
-    ``MixedPrecisionPolicy``: bf16 compute, fp32 gradient reduction and fp32 sharded parameters).
+    shards, frozen parameters, and ``precision="bf16-mixed"`` (at stage 3 mapped onto FSDP2's
+    ``MixedPrecisionPolicy``: bf16 compute, fp32 gradient reduction and fp32 sharded parameters; at
+    stages 1 and 2 autocast over fp32 parameters, as with DDP).
     Checkpoints are sharded (torch.distributed.checkpoint) to a local folder or an fsspec URL
     (``s3://...``, ``file://...``; the filesystem's fsspec package must be installed), resume exactly, and
     load at another world size.
@@ -60,7 +61,8 @@ class ZeroStrategy(ModelParallelStrategy):
     ``bigtrain_zero3_offload``.
 
     Acts in: ``setup_environment`` (process group, 1-D mesh), ``setup`` (precision convert, shard,
-    optimizers), ``optimizer_step`` (per-rank model-state bytes logged once, in the second step after backward).
+    optimizers), ``training_step`` (buffer broadcast), ``optimizer_step`` (per-rank model-state bytes
+    logged once, in the second step after backward), ``save_checkpoint`` / ``load_checkpoint``.
 
     Args:
         stage: ZeRO stage, 1, 2 or 3.
@@ -105,6 +107,12 @@ class ZeroStrategy(ModelParallelStrategy):
             raise ValueError(
                 f"`ZeroStrategy(stage={stage}, offload_params=True)` is not supported: parameters are only "
                 "sharded, and so only offloadable, at stage 3. Use stage=3 or offload_optimizer=True."
+            )
+        if not save_distributed_checkpoint and stage in (1, 2) and not offload_optimizer:
+            raise ValueError(
+                f"`ZeroStrategy(stage={stage}, save_distributed_checkpoint=False)` is not supported: stages 1 and 2 "
+                "save their optimizer partitions sharded. Keep the default and write one file afterwards with "
+                "`bigtrain consolidate` (lightning_bigtrain.strategies.zero.consolidate_checkpoint)."
             )
         if min_wrap_params < 1:
             raise ValueError(f"`ZeroStrategy(min_wrap_params={min_wrap_params})`: must be >= 1.")

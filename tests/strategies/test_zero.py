@@ -39,6 +39,7 @@ def test_trainer_resolves_the_names():
         ({"stage": 1, "offload_optimizer": True}, r"stage=1, offload_optimizer=True\)` is not supported"),
         ({"stage": 2, "offload_params": True}, r"offload_params=True\)` is not supported"),
         ({"min_wrap_params": 0}, r"min_wrap_params=0"),
+        ({"stage": 1, "save_distributed_checkpoint": False}, r"save_distributed_checkpoint=False\)` is not supported"),
     ],
 )
 def test_bad_arguments(kwargs, match):
