@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         worker(args.worker, args.steps, args.quick, args.out)
         return {}
 
-    repeats = args.repeats or (1 if args.quick else 2)
+    repeats = args.repeats or (1 if args.quick else 3)
     steps = 5 if args.quick else 8
     extra = ["--quick"] if args.quick else []
 
@@ -153,6 +153,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return run_worker("benchmarks.zero", ["--worker", config, "--steps", str(steps), *extra])
 
     configs = ["ddp", *(c for c in args.configs if c != "ddp")]
+    run("ddp")  # warm-up, discarded: the first worker of a session pays cold file-cache and import costs
     measured = alternate({c: (lambda c=c: run(c)) for c in configs}, repeats)
     ddp = measured["ddp"]
     ddp_time = summarize([r["step_seconds"] for r in ddp])["median"]

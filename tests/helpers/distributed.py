@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import pickle
 import socket
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -50,6 +51,11 @@ def _rank_entry(
             dist.destroy_process_group()
     with open(Path(outdir) / f"rank{rank}.pkl", "wb") as f:
         pickle.dump(result, f)
+    # The result is on disk: leave without interpreter teardown, where native threads of the process
+    # group have been seen (rarely) to abort the process after all work was done.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_on_ranks(fn: Callable[..., Any], *args: Any, world_size: int = 2, init_process_group: bool = True) -> list[Any]:
