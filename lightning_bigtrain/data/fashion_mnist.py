@@ -6,10 +6,10 @@ import gzip
 import os
 from typing import Literal
 
-import lightning as L
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
+from lightning_bigtrain.data.base import SplitDataModule
 from lightning_bigtrain.data.paths import data_root, require
 
 __all__ = ["CLASSES", "FashionMNISTDataModule", "load_fashion_mnist", "read_idx"]
@@ -69,7 +69,7 @@ class _Images(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         return x, self.labels[i]
 
 
-class FashionMNISTDataModule(L.LightningDataModule):
+class FashionMNISTDataModule(SplitDataModule):
     """Fashion-MNIST as a LightningDataModule.
 
     Raises :class:`~lightning_bigtrain.data.MissingDataError` at construction when `make data` has not
@@ -113,7 +113,6 @@ class FashionMNISTDataModule(L.LightningDataModule):
         self.num_workers = num_workers
         self.seed = seed
         self.num_classes = len(CLASSES)
-        self._splits: dict[str, _Images] = {}
         self.prepare_data()  # offline data only: fail here, before any process is launched
 
     def prepare_data(self) -> None:
@@ -137,23 +136,4 @@ class FashionMNISTDataModule(L.LightningDataModule):
             if self.subset is not None:
                 x, y = x[: self.subset], y[: self.subset]
             self._splits[name] = _Images(x, y)
-
-    def _loader(self, split: str, shuffle: bool) -> DataLoader:
-        self.setup()
-        return DataLoader(
-            self._splits[split],
-            batch_size=self.batch_size,
-            shuffle=shuffle,
-            num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
-        )
-
-    def train_dataloader(self) -> DataLoader:
-        return self._loader("train", shuffle=True)
-
-    def val_dataloader(self) -> DataLoader:
-        return self._loader("val", shuffle=False)
-
-    def test_dataloader(self) -> DataLoader:
-        return self._loader("test", shuffle=False)
 

@@ -7,10 +7,10 @@ import tarfile
 from collections.abc import Sequence
 from pathlib import Path
 
-import lightning as L
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
+from lightning_bigtrain.data.base import SplitDataModule
 from lightning_bigtrain.data.paths import data_root, require
 
 __all__ = ["VOCAB", "CharVocab", "ShakespeareDataModule", "build_corpus", "load_corpus"]
@@ -96,7 +96,7 @@ class _Blocks(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         return chunk[:-1], chunk[1:]
 
 
-class ShakespeareDataModule(L.LightningDataModule):
+class ShakespeareDataModule(SplitDataModule):
     """Char-level Shakespeare: batches of (input ids, next-char targets), each batch_size x block_size.
 
     The corpus is split contiguously (train first, then validation, then test), so the splits never
@@ -146,7 +146,6 @@ class ShakespeareDataModule(L.LightningDataModule):
         self.subset = subset
         self.num_workers = num_workers
         self.vocab = CharVocab()
-        self._splits: dict[str, _Blocks] = {}
         self.prepare_data()  # offline data only: fail here, before any process is launched
 
     def prepare_data(self) -> None:
@@ -163,25 +162,6 @@ class ShakespeareDataModule(L.LightningDataModule):
             if self.subset is not None:
                 hi = min(hi, lo + self.subset * self.block_size + 1)
             self._splits[name] = _Blocks(ids[lo:hi], self.block_size)
-
-    def _loader(self, split: str, shuffle: bool) -> DataLoader:
-        self.setup()
-        return DataLoader(
-            self._splits[split],
-            batch_size=self.batch_size,
-            shuffle=shuffle,
-            num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
-        )
-
-    def train_dataloader(self) -> DataLoader:
-        return self._loader("train", shuffle=True)
-
-    def val_dataloader(self) -> DataLoader:
-        return self._loader("val", shuffle=False)
-
-    def test_dataloader(self) -> DataLoader:
-        return self._loader("test", shuffle=False)
 
 
 def corpus_path(data_dir: str | os.PathLike[str] | None = None) -> Path:
