@@ -151,7 +151,7 @@ class RunReport(Callback):
         samples, tokens = float(gathered[:, 1].sum()), float(gathered[:, 2].sum())
         self.report = {
             "title": self.title,
-            "strategy": type(trainer.strategy).__name__,
+            "strategy": _describe(trainer.strategy),
             "precision": str(trainer.precision),
             "plugins": [type(trainer.strategy.precision_plugin).__name__],
             "callbacks": [type(c).__name__ for c in trainer.callbacks],  # type: ignore[attr-defined]
@@ -189,6 +189,11 @@ class RunReport(Callback):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._val_losses = [(int(step), float(v)) for step, v in state_dict.get("val_losses", [])]
+
+
+def _describe(strategy: Any) -> str:
+    stage = getattr(strategy, "stage", None)
+    return type(strategy).__name__ + (f"(stage={stage})" if isinstance(stage, int) else "")
 
 
 def _fmt(value: Any, digits: int = 4) -> str:
