@@ -81,3 +81,10 @@ def test_demo_runs_and_writes_its_report(tmp_path):
     assert report["val_loss_end"] < report["val_loss_start"]
     assert len(report["peak_memory_bytes_per_rank"]) == 2
     assert "tokens/s" in text and text.strip() in run.stdout
+
+
+def test_consolidate_rejects_a_file(tmp_path):
+    (tmp_path / "model.ckpt").write_bytes(b"")
+    run = _bigtrain("consolidate", str(tmp_path / "model.ckpt"), str(tmp_path / "out.ckpt"), cwd=tmp_path)
+    assert run.returncode != 0 and "expected the folder of a sharded checkpoint" in run.stderr
+    assert "Traceback" not in run.stderr
