@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -74,7 +75,6 @@ def count_collectives(world: int):
 
 def worker(config: str, steps: int, quick: bool, out: str) -> None:
     import lightning as L
-    import torch
 
     from benchmarks.common import set_flush_denormal
     from lightning_bigtrain.callbacks import RunReport
@@ -108,8 +108,6 @@ def worker(config: str, steps: int, quick: bool, out: str) -> None:
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, limit_val_batches=0,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=[report, steps_cb])  # fmt: skip
-    import warnings
-
     with warnings.catch_warnings(), count_collectives(2) as counter:
         warnings.simplefilter("ignore")
         trainer.fit(model, datamodule=data)
@@ -121,7 +119,6 @@ def worker(config: str, steps: int, quick: bool, out: str) -> None:
         result = {**report.report, "psi": psi, "bytes_sent_per_step": sent,
                   "step_seconds": report.report["seconds"] / timed}  # fmt: skip
         Path(out).write_text(json.dumps(result))
-    del torch
 
 
 def theory_bytes(config: str, psi: int, n: int = 2) -> float:

@@ -140,6 +140,9 @@ class RunReport(Callback):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - self._t0 if self._t0 is not None else 0.0
+        if self._state_bytes is None and trainer.optimizers:
+            # A one-step run never reached a second step: count what is held now.
+            self._state_bytes = model_state_bytes(pl_module, trainer.optimizers[0])
         state = self._state_bytes or {"params": 0, "grads": 0, "optimizer": 0, "total": 0}
         local = torch.tensor(
             [elapsed, self._samples, self._tokens, peak_memory_bytes(device), state["total"]],

@@ -54,7 +54,6 @@ class _Bucket:
     numel: int  # unpadded
     chunk: int  # partition length (padded size / world size)
     offsets: list[int]  # where each parameter starts in the bucket
-    shard: nn.Parameter | None = None  # DTensor of this rank's partition
     shard_grad: torch.Tensor | None = None  # stage 2: this rank's reduced gradient slice (persistent)
     staging: torch.Tensor | None = None  # stage 2: the bucket's gradients during one backward pass
     pending: int = 0  # parameters whose gradient has not arrived in this backward pass
@@ -129,14 +128,12 @@ class FlatShardedOptimizer(torch.optim.Optimizer):
                 lo = min(self.rank * b.chunk, b.numel)
                 hi = min(lo + b.chunk, b.numel)
                 size = torch.Size((b.numel,))
-                b.shard = nn.Parameter(
+                shard = nn.Parameter(
                     DTensor.from_local(b.flat[lo:hi], mesh, [Shard(0)], run_check=False, shape=size, stride=(1,))
                 )
                 local_grad = b.grad[lo:hi] if b.grad is not None else b.shard_grad[: hi - lo]  # type: ignore[index]
-                b.shard.grad = DTensor.from_local(
-                    local_grad, mesh, [Shard(0)], run_check=False, shape=size, stride=(1,)
-                )
-                shards.append(b.shard)
+                shard.grad = DTensor.from_local(local_grad, mesh, [Shard(0)], run_check=False, shape=size, stride=(1,))
+                shards.append(shard)
             self._buckets += buckets
             inner_groups.append({**hyper, "params": shards})
         accepted = inspect.signature(type(optimizer).__init__).parameters

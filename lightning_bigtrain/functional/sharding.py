@@ -8,7 +8,7 @@ from collections.abc import Iterable
 
 from torch import nn
 
-__all__ = ["auto_wrap_targets", "has_dtensor_params", "is_fully_sharded", "shard_module_"]
+__all__ = ["auto_wrap_targets", "is_fully_sharded", "shard_module_"]
 
 _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 
@@ -59,17 +59,10 @@ def _outermost(candidates: list[nn.Module]) -> list[nn.Module]:
     return [m for m in candidates if id(m) not in inside]
 
 
-def has_dtensor_params(module: nn.Module) -> bool:
-    """True if any parameter is already a DTensor (the module was sharded by the user)."""
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(p, DTensor) for p in module.parameters())
-
-
 def is_fully_sharded(module: nn.Module) -> bool:
     """True if FSDP2's ``fully_shard`` was applied to ``module`` or any submodule (by the user's
-    ``configure_model`` or an earlier run). Unlike :func:`has_dtensor_params` this stays true while
-    FSDP2 holds parameters unsharded between forward and backward."""
+    ``configure_model`` or an earlier run). Unlike checking for DTensor parameters, this stays true
+    while FSDP2 holds parameters unsharded between forward and backward."""
     from torch.distributed.fsdp import FSDPModule
 
     return any(isinstance(m, FSDPModule) for m in module.modules())

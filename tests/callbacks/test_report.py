@@ -54,3 +54,13 @@ def test_float_inputs_report_samples_not_tokens(fashion_subset):
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         RunReport(**kwargs)
+
+
+def test_one_step_run_still_counts_model_states(fashion_subset):
+    from lightning_bigtrain.models import FashionCNN
+
+    report = RunReport(verbose=False, warmup_steps=0)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, limit_val_batches=0, callbacks=[report])  # fmt: skip
+    trainer.fit(FashionCNN(channels=(4,)), datamodule=fashion_subset)
+    assert report.report["model_state_bytes_per_rank"][0] > 0
