@@ -15,7 +15,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -163,3 +164,51 @@ def print_table(rows: list[dict[str, Any]], columns: Sequence[str]) -> str:
     text = "\n".join(lines)
     print(text, flush=True)
     return text
+
+
+@contextmanager
+def count_collectives(world: int, kinds: Sequence[str] | None = None) -> Iterator[dict[str, int]]:
+    """Count ring-equivalent bytes this rank sends through torch.distributed collectives (an independent
+    check of the strategies' own counters: it wraps the functions every engine calls). ``kinds`` limits it
+    to some of the wrapped functions (names in torch.distributed), e.g. gathers and scatters only."""
+    import torch.distributed as dist
+
+    counted = {"bytes": 0}
+    factor = (world - 1) / world
+
+    def nbytes(t) -> int:
+        return t.numel() * t.element_size()
+
+    def arg(args, kwargs, index, *names):
+        for name in names:
+            if name in kwargs:
+                return kwargs[name]
+        return args[index]
+
+    def wrap(name: str, measure):
+        original = getattr(dist, name)
+
+        def counting(*args, **kwargs):
+            counted["bytes"] += int(measure(args, kwargs))
+            return original(*args, **kwargs)
+
+        return original, counting
+
+    # Ring-equivalent bytes sent: gathers count their output, scatters their input, all-reduce twice.
+    measures = {
+        "all_gather_into_tensor": lambda a, k: factor * nbytes(arg(a, k, 0, "output_tensor", "output")),
+        "all_gather_single": lambda a, k: factor * nbytes(arg(a, k, 0, "output_tensor", "output")),
+        "reduce_scatter_tensor": lambda a, k: factor * nbytes(arg(a, k, 1, "input", "input_tensor")),
+        "reduce_scatter_single": lambda a, k: factor * nbytes(arg(a, k, 1, "input", "input_tensor")),
+        "all_reduce": lambda a, k: 2 * factor * nbytes(arg(a, k, 0, "tensor")),
+    }
+    originals = {}
+    for name, measure in measures.items():
+        if hasattr(dist, name) and (kinds is None or name in kinds):
+            originals[name], counting = wrap(name, measure)
+            setattr(dist, name, counting)
+    try:
+        yield counted
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)

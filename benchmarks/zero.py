@@ -7,9 +7,11 @@ size 2 (CPU, gloo): plain Lightning DDP (the peer) and ZeroStrategy stages 1/2/3
 on CPU they are the same runs, and say so with a NoEffectWarning). Model-state bytes per rank are taken
 at the first optimizer step (parameters, gradients, optimizer states) and compared with the ZeRO paper's
 formulas (Rajbhandari et al., 2020, Fig. 1): DDP 16 Psi; stage 1 (8 + 8/N) Psi; stage 2 (4 + 12/N) Psi;
-stage 3 16 Psi / N. Bytes sent are counted on the collectives each rank issues (ring-equivalent: an
-all-gather or reduce-scatter of B bytes sends (N-1)/N B; an all-reduce 2 (N-1)/N B); DDP's all-reduce
-runs inside its C++ reducer, so its figure is the ring formula over its gradient bytes.
+stage 3 16 Psi / N. Bytes sent per step are the strategy's own count (``ZeroStrategy.comm_bytes``,
+ring-equivalent: an all-gather or reduce-scatter of B bytes sends (N-1)/N B), checked against a wrapper
+around torch.distributed's collective functions that counts every collective the rank issues (an
+all-reduce as 2 (N-1)/N B); DDP's all-reduce runs inside its C++ reducer, so its figure is the ring
+formula over its gradient bytes.
 """
 
 from __future__ import annotations
@@ -18,59 +20,21 @@ import argparse
 import json
 import sys
 import warnings
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import RESULTS_DIR, alternate, print_table, ratio, run_worker, summarize, write_results
+from benchmarks.common import (
+    RESULTS_DIR,
+    alternate,
+    count_collectives,
+    print_table,
+    ratio,
+    run_worker,
+    summarize,
+    write_results,
+)
 
 CONFIGS = ("ddp", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload")
-
-
-@contextmanager
-def count_collectives(world: int):
-    """Count ring-equivalent bytes this rank sends through torch.distributed collectives."""
-    import torch.distributed as dist
-
-    counted = {"bytes": 0}
-    factor = (world - 1) / world
-
-    def nbytes(t) -> int:
-        return t.numel() * t.element_size()
-
-    def arg(args, kwargs, index, *names):
-        for name in names:
-            if name in kwargs:
-                return kwargs[name]
-        return args[index]
-
-    def wrap(name: str, measure):
-        original = getattr(dist, name)
-
-        def counting(*args, **kwargs):
-            counted["bytes"] += int(measure(args, kwargs))
-            return original(*args, **kwargs)
-
-        return original, counting
-
-    # Ring-equivalent bytes sent: gathers count their output, scatters their input, all-reduce twice.
-    measures = {
-        "all_gather_into_tensor": lambda a, k: factor * nbytes(arg(a, k, 0, "output_tensor", "output")),
-        "all_gather_single": lambda a, k: factor * nbytes(arg(a, k, 0, "output_tensor", "output")),
-        "reduce_scatter_tensor": lambda a, k: factor * nbytes(arg(a, k, 1, "input", "input_tensor")),
-        "reduce_scatter_single": lambda a, k: factor * nbytes(arg(a, k, 1, "input", "input_tensor")),
-        "all_reduce": lambda a, k: 2 * factor * nbytes(arg(a, k, 0, "tensor")),
-    }
-    originals = {}
-    for name, measure in measures.items():
-        if hasattr(dist, name):
-            originals[name], counting = wrap(name, measure)
-            setattr(dist, name, counting)
-    try:
-        yield counted
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
 
 
 def worker(config: str, steps: int, quick: bool, out: str) -> None:
@@ -97,12 +61,18 @@ def worker(config: str, steps: int, quick: bool, out: str) -> None:
     report = RunReport(warmup_steps=2, verbose=False)
 
     class StepCounter(L.Callback):
+        """Bytes sent from the third step to the end: the strategy's own count and the wrapper's."""
+
+        def _read(self, trainer) -> tuple[int, int]:
+            own = getattr(trainer.strategy, "comm_bytes", None)
+            return (-1 if own is None else own), counter["bytes"]
+
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             if batch_idx == 2:
-                self.start = counter["bytes"]
+                self.start = self._read(trainer)
 
         def on_train_end(self, trainer, pl_module):
-            self.end = counter["bytes"]
+            self.end = self._read(trainer)
 
     steps_cb = StepCounter()
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, limit_val_batches=0,
@@ -112,11 +82,11 @@ def worker(config: str, steps: int, quick: bool, out: str) -> None:
         warnings.simplefilter("ignore")
         trainer.fit(model, datamodule=data)
     timed = steps - 2
-    sent = (steps_cb.end - steps_cb.start) / timed
+    own, wrapped = ((end - start) / timed for start, end in zip(steps_cb.start, steps_cb.end, strict=True))
     if config == "ddp":
-        sent = 2 * (2 - 1) / 2 * psi * 4  # DDP's reducer all-reduces every fp32 gradient once per step
+        own = wrapped = 2 * (2 - 1) / 2 * psi * 4  # DDP's reducer all-reduces every fp32 gradient once per step
     if trainer.is_global_zero:
-        result = {**report.report, "psi": psi, "bytes_sent_per_step": sent,
+        result = {**report.report, "psi": psi, "bytes_sent_per_step": own, "bytes_sent_wrapped": wrapped,
                   "step_seconds": report.report["seconds"] / timed}  # fmt: skip
         Path(out).write_text(json.dumps(result))
 
@@ -168,6 +138,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "state_over_theory": ratio(state, theory_bytes(config, psi)),
             "state_over_ddp": ratio(state, max(ddp[0]["model_state_bytes_per_rank"])),
             "bytes_sent_per_step": sent,
+            "bytes_sent_wrapped": runs[0]["bytes_sent_wrapped"],
             "sent_over_allreduce_volume": ratio(sent, 2 * (2 - 1) / 2 * psi * 4),
             "sent_over_ddp": ratio(sent, ddp_sent),
             "step_seconds": step,
@@ -181,6 +152,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "state / theory": f["state_over_theory"],
             "sent MiB/step": sent / 2**20,
             "sent / DDP": f["sent_over_ddp"],
+            "own / wrapped": ratio(sent, f["bytes_sent_wrapped"]),
             "step s": step["median"],
             "step / DDP": f["step_time_over_ddp"],
             "peak RSS MiB": max(f["peak_rss_mib_per_rank"]),

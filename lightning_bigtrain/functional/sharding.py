@@ -6,9 +6,10 @@ import itertools
 from collections import Counter
 from collections.abc import Iterable
 
+import torch
 from torch import nn
 
-__all__ = ["auto_wrap_targets", "is_fully_sharded", "shard_module_"]
+__all__ = ["CommCounter", "auto_wrap_targets", "count_comm_", "is_fully_sharded", "shard_module_"]
 
 _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 
@@ -117,3 +118,48 @@ def _prefetch_neighbours(root: nn.Module, units: list[nn.Module]) -> None:
         current.set_modules_to_forward_prefetch([following])  # type: ignore[operator]
         following.set_modules_to_backward_prefetch([current])  # type: ignore[operator]
     root._set_unshard_async_op(True)  # type: ignore[operator]
+
+
+class CommCounter:
+    """Bytes this rank sent through FSDP2's collectives, cumulative.
+
+    Counted as a ring moves them: an all-gather sends (N-1)/N of its gathered output, a reduce-scatter
+    (N-1)/N of its input; the same accounting as FlatShardedOptimizer's ``comm_bytes``.
+    """
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self.bytes = 0
+
+    def add(self, tensor: torch.Tensor) -> None:
+        self.bytes += (self.world_size - 1) * tensor.numel() * tensor.element_size() // self.world_size
+
+
+def count_comm_(module: nn.Module, counter: CommCounter) -> bool:
+    """Route every FSDP2 unit's all-gathers and reduce-scatters through torch's default collectives,
+    counted by ``counter``. The transport is unchanged (FSDP2's ``set_custom_all_gather`` /
+    ``set_custom_reduce_scatter`` with subclasses of its own defaults). Returns False, counting nothing,
+    when this torch has no such hooks."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+    except ImportError:
+        return False
+
+    class CountingAllGather(DefaultAllGather):
+        def __call__(self, output_tensor, input_tensor, group, async_op=False):
+            counter.add(output_tensor)
+            return super().__call__(output_tensor, input_tensor, group, async_op)
+
+    class CountingReduceScatter(DefaultReduceScatter):
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+            counter.add(input_tensor)
+            return super().__call__(output_tensor, input_tensor, group, op, async_op)
+
+    units = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    if not units or not hasattr(units[0], "set_custom_all_gather"):
+        return False
+    for unit in units:
+        unit.set_custom_all_gather(CountingAllGather())
+        unit.set_custom_reduce_scatter(CountingReduceScatter())
+    return True

@@ -2,9 +2,9 @@
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_bigtrain.strategies.zero import ZeroStrategy
+from lightning_bigtrain.strategies.zero import ZeroOptions, ZeroStrategy
 
-__all__ = ["ZeroStrategy", "register_all"]
+__all__ = ["ZeroOptions", "ZeroStrategy", "register_all"]
 
 
 def register_all() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Generator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, get_args
@@ -20,17 +21,60 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_bigtrain.functional.flat_shard import FlatShardedOptimizer
 from lightning_bigtrain.functional.memory import model_state_bytes
-from lightning_bigtrain.functional.sharding import auto_wrap_targets, is_fully_sharded, shard_module_
+from lightning_bigtrain.functional.rng import fold_seed, seed_all_
+from lightning_bigtrain.functional.sharding import (
+    CommCounter,
+    auto_wrap_targets,
+    count_comm_,
+    is_fully_sharded,
+    shard_module_,
+)
 from lightning_bigtrain.warnings import NoEffectWarning, warn_once
 
 if TYPE_CHECKING:
     import lightning as L
     from lightning.fabric.strategies import _StrategyRegistry
 
-__all__ = ["ZeroStrategy", "consolidate_checkpoint"]
+__all__ = ["ZeroOptions", "ZeroStrategy", "consolidate_checkpoint"]
 
 StartMethod = Literal["auto", "popen", "spawn", "fork", "forkserver"]
 _STAGES = (1, 2, 3)
+_RNG_KEY = "bigtrain_rng"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ZeroOptions:
+    """The rarer knobs of :class:`ZeroStrategy`.
+
+    Attributes:
+        save_distributed_checkpoint: Save one shard per rank (a folder); ``False`` gathers a single file
+            (stage 3 and offloading only).
+        broadcast_buffers: Copy rank 0's buffers (e.g. BatchNorm statistics) to every rank before each
+            training step, as DDP does, so replicas and checkpoints agree. FSDP2 alone leaves them per rank.
+        step_seeded_rng: Re-seed torch, ``random`` and NumPy before every training batch from the run's
+            seed and the batch index (:func:`~lightning_bigtrain.functional.rng.fold_seed`), so that a
+            resumed run draws the same dropout masks as the uninterrupted one. The run's seed (each rank's
+            ``torch.initial_seed()`` at setup, i.e. what ``seed_everything`` set) is saved in checkpoints.
+            ``False`` leaves the generators alone: resume is then exact only for models that draw no
+            random numbers in training.
+        start_method: How ranks are launched: ``"popen"`` re-runs the script; ``"fork"`` works from a
+            Jupyter kernel; ``"auto"`` picks ``"fork"`` in interactive sessions, else ``"popen"``.
+        process_group_backend: ``"gloo"`` or ``"nccl"``; by default chosen from the device.
+        timeout: Collective timeout.
+    """
+
+    save_distributed_checkpoint: bool = True
+    broadcast_buffers: bool = True
+    step_seeded_rng: bool = True
+    start_method: StartMethod = "auto"
+    process_group_backend: str | None = None
+    timeout: timedelta | None = default_pg_timeout
+
+    def __post_init__(self) -> None:
+        if self.start_method not in get_args(StartMethod):
+            raise ValueError(
+                f"`ZeroOptions(start_method={self.start_method!r})`: choose one of {', '.join(get_args(StartMethod))}."
+            )
 
 
 class ZeroStrategy(ModelParallelStrategy):
@@ -61,8 +105,9 @@ class ZeroStrategy(ModelParallelStrategy):
     ``bigtrain_zero3_offload``.
 
     Acts in: ``setup_environment`` (process group, 1-D mesh), ``setup`` (precision convert, shard,
-    optimizers), ``training_step`` (buffer broadcast), ``optimizer_step`` (per-rank model-state bytes
-    logged once, in the second step after backward), ``save_checkpoint`` / ``load_checkpoint``.
+    optimizers), ``on_train_batch_start`` (step-seeded RNG), ``training_step`` (buffer broadcast),
+    ``optimizer_step`` (per-rank model-state bytes logged once, in the second step after backward),
+    ``save_checkpoint`` / ``load_checkpoint`` (shards and the run's seeds).
 
     Args:
         stage: ZeRO stage, 1, 2 or 3.
@@ -72,13 +117,8 @@ class ZeroStrategy(ModelParallelStrategy):
         offload_params: Stage 3 only; implies ``offload_optimizer`` (FSDP2 offloads both together).
         min_wrap_params: Parameter count above which a repeated block or a submodule becomes its own
             sharding unit.
-        save_distributed_checkpoint: Save one shard per rank (a folder); ``False`` gathers a single file.
-        broadcast_buffers: Copy rank 0's buffers (e.g. BatchNorm statistics) to every rank before each
-            training step, as DDP does, so replicas and checkpoints agree. FSDP2 alone leaves them per rank.
-        start_method: How ranks are launched: ``"popen"`` re-runs the script; ``"fork"`` works from a
-            Jupyter kernel; ``"auto"`` picks ``"fork"`` in interactive sessions, else ``"popen"``.
-        process_group_backend: ``"gloo"`` or ``"nccl"``; by default chosen from the device.
-        timeout: Collective timeout.
+        options: The rarer knobs (:class:`ZeroOptions`): checkpoint layout, buffer broadcast,
+            step-seeded RNG, launch method, backend, timeout.
     """
 
     strategy_name = "bigtrain_zero"
@@ -90,11 +130,7 @@ class ZeroStrategy(ModelParallelStrategy):
         offload_optimizer: bool = False,
         offload_params: bool = False,
         min_wrap_params: int = 100_000,
-        save_distributed_checkpoint: bool = True,
-        broadcast_buffers: bool = True,
-        start_method: StartMethod = "auto",
-        process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
+        options: ZeroOptions | None = None,
     ) -> None:
         if stage not in _STAGES:
             raise ValueError(f"`ZeroStrategy(stage={stage!r})` is not supported: stage must be 1, 2 or 3.")
@@ -108,31 +144,36 @@ class ZeroStrategy(ModelParallelStrategy):
                 f"`ZeroStrategy(stage={stage}, offload_params=True)` is not supported: parameters are only "
                 "sharded, and so only offloadable, at stage 3. Use stage=3 or offload_optimizer=True."
             )
-        if not save_distributed_checkpoint and stage in (1, 2) and not offload_optimizer:
+        options = ZeroOptions() if options is None else options
+        if not isinstance(options, ZeroOptions):
+            raise TypeError(
+                f"`ZeroStrategy(options={options!r})`: pass a `ZeroOptions(...)` "
+                "(lightning_bigtrain.strategies.ZeroOptions)."
+            )
+        if not options.save_distributed_checkpoint and stage in (1, 2) and not offload_optimizer:
             raise ValueError(
-                f"`ZeroStrategy(stage={stage}, save_distributed_checkpoint=False)` is not supported: stages 1 and 2 "
+                f"`ZeroStrategy(stage={stage}, options=ZeroOptions(save_distributed_checkpoint=False))` is not "
+                "supported: stages 1 and 2 "
                 "save their optimizer partitions sharded. Keep the default and write one file afterwards with "
                 "`bigtrain consolidate` (lightning_bigtrain.strategies.zero.consolidate_checkpoint)."
             )
         if min_wrap_params < 1:
             raise ValueError(f"`ZeroStrategy(min_wrap_params={min_wrap_params})`: must be >= 1.")
-        if start_method not in get_args(StartMethod):
-            raise ValueError(
-                f"`ZeroStrategy(start_method={start_method!r})`: choose one of {', '.join(get_args(StartMethod))}."
-            )
         super().__init__(
             data_parallel_size="auto",
             tensor_parallel_size=1,
-            save_distributed_checkpoint=save_distributed_checkpoint,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
+            save_distributed_checkpoint=options.save_distributed_checkpoint,
+            process_group_backend=options.process_group_backend,
+            timeout=options.timeout,
         )
         self.stage = stage
         self.offload_optimizer = offload_optimizer or offload_params
         self.offload_params = offload_params
         self.min_wrap_params = min_wrap_params
-        self.start_method = start_method
-        self.broadcast_buffers = broadcast_buffers
+        self.options = options
+        self._rng_seed: int | None = None
+        self._fsdp_comm: CommCounter | None = None
+        self._logged_comm_bytes = 0
         self.memory: dict[str, int] = {}
 
     @classmethod
@@ -161,7 +202,7 @@ class ZeroStrategy(ModelParallelStrategy):
         from lightning.fabric.utilities.imports import _IS_INTERACTIVE
 
         assert self.cluster_environment is not None
-        method = self.start_method
+        method = self.options.start_method
         if method == "auto":
             method = "fork" if _IS_INTERACTIVE else "popen"
         if self.cluster_environment.creates_processes_externally:
@@ -189,6 +230,7 @@ class ZeroStrategy(ModelParallelStrategy):
                 f"({type(module).__name__}): there is nothing to shard or train."
             )
         _materialize_distributed_module(self.model, self.root_device)
+        self._rng_seed = torch.initial_seed()  # replaced by the checkpoint's on resume
         if self._flat_engine:
             self._setup_flat(trainer)
             return
@@ -205,6 +247,8 @@ class ZeroStrategy(ModelParallelStrategy):
                 offload_policy=self._offload_policy(),
                 async_prefetch=self.root_device.type == "cpu",
             )
+        counter = CommCounter(self.world_size)
+        self._fsdp_comm = counter if count_comm_(self.model, counter) else None
         self.model_to_device()
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -265,7 +309,27 @@ class ZeroStrategy(ModelParallelStrategy):
             return inner.state_dict()  # DTensor partitions: DCP writes each rank's slice
         return super().optimizer_state(optimizer)
 
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if not self.options.step_seeded_rng or self._rng_seed is None:
+            return
+        assert self.lightning_module is not None
+        trainer = self.lightning_module.trainer
+        seed_all_(fold_seed(self._rng_seed, trainer.fit_loop.epoch_loop.total_batch_idx))
+
+    def _rng_state(self) -> dict[str, Any]:
+        """Every rank's run seed (ranks may have been seeded differently)."""
+        seeds: list[Any] = [None] * self.world_size
+        torch.distributed.all_gather_object(seeds, self._rng_seed)
+        return {"seeds": seeds}
+
+    def _restore_rng_state(self, checkpoint: dict[str, Any]) -> None:
+        state = checkpoint.get(_RNG_KEY)
+        if state and state["seeds"][0] is not None:
+            # At another world size, ranks beyond the saved ones continue the saved ranks' streams in turn.
+            self._rng_seed = int(state["seeds"][self.global_rank % len(state["seeds"])])
+
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        checkpoint[_RNG_KEY] = self._rng_state()
         location = str(self.broadcast(str(filepath)))
         if not _is_url(location):
             return super().save_checkpoint(checkpoint, filepath, storage_options)
@@ -288,6 +352,11 @@ class ZeroStrategy(ModelParallelStrategy):
         return None
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = self._load_checkpoint(checkpoint_path, weights_only)
+        self._restore_rng_state(checkpoint)
+        return checkpoint
+
+    def _load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None) -> dict[str, Any]:
         location = str(self.broadcast(str(checkpoint_path)))
         if not self._flat_engine and not _is_url(location):
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
@@ -352,13 +421,13 @@ class ZeroStrategy(ModelParallelStrategy):
         return CPUOffloadPolicy(pin_memory=True)
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self.broadcast_buffers and self.world_size > 1:
+        if self.options.broadcast_buffers and self.world_size > 1:
             self._broadcast_buffers()
         return super().training_step(*args, **kwargs)
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         # DCP saves one copy of replicated (non-sharded) tensors from an arbitrary rank: make it rank 0's.
-        if self.broadcast_buffers and self.world_size > 1:
+        if self.options.broadcast_buffers and self.world_size > 1:
             self._broadcast_buffers()
         return super().lightning_module_state_dict()
 
@@ -374,7 +443,37 @@ class ZeroStrategy(ModelParallelStrategy):
             b.copy_(flat[offset : offset + b.numel()].view_as(b))
             offset += b.numel()
 
+    @property
+    def comm_bytes(self) -> int | None:
+        """Bytes this rank has sent in the sharding's collectives since setup (ring-equivalent: (N-1)/N of
+        each gathered output and each reduce-scattered input), counted where they are issued; None if
+        this torch offers no way to count FSDP2's."""
+        flats = [o for o in self.optimizers if isinstance(o, FlatShardedOptimizer)]
+        if flats:
+            return sum(o.comm_bytes for o in flats)
+        return None if self._fsdp_comm is None else self._fsdp_comm.bytes
+
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        result = self._optimizer_step(optimizer, closure, model, **kwargs)
+        self._log_comm()
+        return result
+
+    def _log_comm(self) -> None:
+        """Log the bytes sent since the last logged step, per step, at the trainer's logging cadence."""
+        module = self.lightning_module
+        sent = self.comm_bytes
+        if module is None or sent is None or not self.is_global_zero:
+            return
+        trainer = module.trainer
+        steps = int(getattr(trainer, "log_every_n_steps", 0) or 0)  # set by Trainer(log_every_n_steps=...)
+        if steps <= 0 or (trainer.global_step + 1) % steps:
+            return
+        for logger in trainer.loggers:
+            logger.log_metrics({"zero/comm_bytes_per_step": (sent - self._logged_comm_bytes) / steps},
+                               step=trainer.global_step)  # fmt: skip
+        self._logged_comm_bytes = sent
+
+    def _optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         module = self.lightning_module
         if self.memory or module is None or module.trainer.global_step < 1:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
@@ -432,7 +531,21 @@ class _FullWeightsLauncher(_MultiProcessingLauncher):
 
 
 def _is_url(location: str) -> bool:
-    return "://" in location
+    """True for fsspec URLs; raises a clear ImportError when the URL's filesystem package is missing."""
+    if "://" not in location:
+        return False
+    import fsspec
+
+    protocol = location.split("://", 1)[0]
+    try:
+        fsspec.get_filesystem_class(protocol)
+    except ImportError as err:
+        extra = " (`pip install lightning_bigtrain[s3]`)" if protocol in ("s3", "s3a") else ""
+        raise ImportError(
+            f"ZeroStrategy checkpoint at {location!r}: the fsspec filesystem for {protocol!r} is not installed{extra}. "
+            f"fsspec says: {err}"
+        ) from None
+    return True
 
 
 def consolidate_checkpoint(path: str | os.PathLike[str], output: str | os.PathLike[str]) -> Path:

@@ -18,7 +18,7 @@ import lightning as L
 from lightning_bigtrain.callbacks import RunReport
 from lightning_bigtrain.data import FashionMNISTDataModule, ShakespeareDataModule
 from lightning_bigtrain.models import CharGPT, FashionCNN
-from lightning_bigtrain.strategies import ZeroStrategy
+from lightning_bigtrain.strategies import ZeroOptions, ZeroStrategy
 
 __all__ = ["SETTINGS", "BadInput", "Setting", "by_name"]
 
@@ -67,6 +67,10 @@ def _tiny_gpt() -> CharGPT:
     return CharGPT(block_size=32, n_layer=2, n_head=2, n_embd=32, warmup_steps=2)
 
 
+def _tiny_gpt_dropout() -> CharGPT:
+    return CharGPT(block_size=32, n_layer=2, n_head=2, n_embd=32, warmup_steps=2, dropout=0.1)
+
+
 def _tiny_shakespeare() -> ShakespeareDataModule:
     return ShakespeareDataModule(block_size=32, batch_size=8, subset=48)
 
@@ -107,10 +111,11 @@ SETTINGS: tuple[Setting, ...] = (
                      ValueError, r"sum to less than 1"),
         ),
     ),
-    # ZeRO on FSDP2. Resume is exact: sharded checkpoints restore weights, optimizer shards and schedule.
+    # ZeRO. Resume is exact, dropout included: sharded checkpoints restore weights, optimizer shards and
+    # schedule, and the step-seeded generators draw the same dropout masks as the uninterrupted run.
     Setting(
         name="zero3_gpt",
-        model=_tiny_gpt,
+        model=_tiny_gpt_dropout,
         data=_tiny_shakespeare,
         trainer_kwargs=_zero(3),
         bad_inputs=(
@@ -119,12 +124,14 @@ SETTINGS: tuple[Setting, ...] = (
             BadInput("stage0", lambda: ZeroStrategy(stage=0), ValueError, r"stage must be 1, 2 or 3"),
             BadInput("offload_params_stage2", lambda: ZeroStrategy(stage=2, offload_params=True), ValueError,
                      r"only offloadable, at stage 3"),
-            BadInput("start_method", lambda: ZeroStrategy(start_method="thread"), ValueError,  # type: ignore[arg-type]
-                     r"start_method='thread'"),
+            BadInput("start_method", lambda: ZeroOptions(start_method="thread"), ValueError,  # type: ignore[arg-type]
+                     r"ZeroOptions\(start_method='thread'\)"),
+            BadInput("options_type", lambda: ZeroStrategy(options={"broadcast_buffers": False}), TypeError,  # type: ignore[arg-type]
+                     r"pass a `ZeroOptions\(...\)`"),
         ),
     ),
     Setting(name="zero2_cnn", model=_tiny_cnn, data=_tiny_fashion, trainer_kwargs=_zero(2)),
-    Setting(name="zero1_gpt", model=_tiny_gpt, data=_tiny_shakespeare, trainer_kwargs=_zero(1)),
+    Setting(name="zero1_gpt", model=_tiny_gpt_dropout, data=_tiny_shakespeare, trainer_kwargs=_zero(1)),
 )  # fmt: skip
 
 

@@ -9,7 +9,7 @@ from torch import nn
 from lightning_bigtrain.functional.sharding import auto_wrap_targets
 from lightning_bigtrain.models import CharGPT, FashionCNN
 from lightning_bigtrain.models.gpt import Block
-from lightning_bigtrain.strategies import ZeroStrategy, register_all
+from lightning_bigtrain.strategies import ZeroOptions, ZeroStrategy, register_all
 
 NAMES = {"bigtrain_zero1", "bigtrain_zero2", "bigtrain_zero3", "bigtrain_zero2_offload", "bigtrain_zero3_offload"}
 
@@ -39,7 +39,10 @@ def test_trainer_resolves_the_names():
         ({"stage": 1, "offload_optimizer": True}, r"stage=1, offload_optimizer=True\)` is not supported"),
         ({"stage": 2, "offload_params": True}, r"offload_params=True\)` is not supported"),
         ({"min_wrap_params": 0}, r"min_wrap_params=0"),
-        ({"stage": 1, "save_distributed_checkpoint": False}, r"save_distributed_checkpoint=False\)` is not supported"),
+        (
+            {"stage": 1, "options": ZeroOptions(save_distributed_checkpoint=False)},
+            r"options=ZeroOptions\(save_distributed_checkpoint=False\)\)` is not supported",
+        ),
     ],
 )
 def test_bad_arguments(kwargs, match):
@@ -70,3 +73,17 @@ def test_auto_wrap_units_never_nest():
     targets = auto_wrap_targets(model, min_params=100)
     ids = {id(m) for t in targets for m in t.modules() if m is not t}
     assert not any(id(t) in ids for t in targets)
+
+
+def test_url_with_missing_filesystem_names_the_package(monkeypatch):
+    import fsspec
+
+    from lightning_bigtrain.strategies.zero import _is_url
+
+    def missing(protocol):
+        raise ImportError(f"Install s3fs to access {protocol}")
+
+    monkeypatch.setattr(fsspec, "get_filesystem_class", missing)
+    with pytest.raises(ImportError, match=r"lightning_bigtrain\[s3\]"):
+        _is_url("s3://bucket/ckpt")
+    assert not _is_url("/local/path")

@@ -10,6 +10,7 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import Logger
 
 from lightning_bigtrain.data import ShakespeareDataModule
 from lightning_bigtrain.models import CharGPT
@@ -191,11 +192,51 @@ def test_sharded_checkpoint_loads_at_another_world_size(tmp_path, save_ranks, lo
         torch.testing.assert_close(r["start"], saved, rtol=0, atol=0)
 
 
+@pytest.fixture
+def s3_bucket(monkeypatch):
+    """A real S3-compatible HTTP server (moto's) on a free local port, with a new empty bucket; the ranks
+    reach it through s3fs, configured by the standard AWS environment variables they inherit. Yields the
+    filesystem and the bucket's name (moto keeps buckets per process, so each test makes its own)."""
+    import uuid
+
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    for key, value in {
+        "AWS_ACCESS_KEY_ID": "bigtrain",
+        "AWS_SECRET_ACCESS_KEY": "bigtrain",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": f"http://{host}:{port}",
+    }.items():
+        monkeypatch.setenv(key, value)  # fmt: skip
+    import fsspec
+
+    fs = fsspec.filesystem("s3", skip_instance_cache=True)
+    bucket = f"checkpoints-{uuid.uuid4().hex[:8]}"
+    fs.mkdir(bucket)
+    yield fs, bucket
+    server.stop()
+
+
 @pytest.mark.parametrize("stage", [1, 3])
 def test_checkpoint_to_an_fsspec_url_resumes(tmp_path, stage):
     url = f"file://{tmp_path}/remote"
     saved = run_on_ranks(_save, url, 2, stage, init_process_group=False)[0]
     assert (tmp_path / "remote" / "last.ckpt" / "meta.pt").is_file()
+    for r in run_on_ranks(_resume, url, 2, stage, init_process_group=False):
+        assert r["start_step"] == 4 and r["end_step"] == 8
+        torch.testing.assert_close(r["start"], saved, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_checkpoint_to_s3_resumes(s3_bucket, stage):
+    fs, bucket = s3_bucket
+    url = f"s3://{bucket}/run"
+    saved = run_on_ranks(_save, url, 2, stage, init_process_group=False)[0]
+    files = fs.ls(f"{bucket}/run/last.ckpt", refresh=True)
+    assert f"{bucket}/run/last.ckpt/meta.pt" in files and sum(f.endswith(".distcp") for f in files) == 2
     for r in run_on_ranks(_resume, url, 2, stage, init_process_group=False):
         assert r["start_step"] == 4 and r["end_step"] == 8
         torch.testing.assert_close(r["start"], saved, rtol=0, atol=0)
@@ -275,6 +316,57 @@ def test_two_nodes_of_one_device_each():
     a, b = run_on_ranks(_two_nodes, init_process_group=False)
     assert (a["world"], a["rank"], b["rank"]) == (2, 0, 1)
     assert torch.equal(a["params"], b["params"])
+
+
+class _MetricsLogger(Logger):
+    """A Lightning logger that keeps what it is given (to read the strategy's logged metrics back)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.metrics: list[dict[str, float]] = []
+
+    @property
+    def name(self) -> str:
+        return "memory"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_metrics(self, metrics, step=None) -> None:
+        self.metrics.append(dict(metrics))
+
+    def log_hyperparams(self, params, *args, **kwargs) -> None:
+        pass
+
+
+def _counted(rank: int, stage: int) -> dict:
+    from benchmarks.common import count_collectives
+
+    L.seed_everything(0, verbose=False)
+    logger = _MetricsLogger()
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=ZeroStrategy(stage=stage, min_wrap_params=1000),
+                        max_steps=4, limit_val_batches=0, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, logger=logger, log_every_n_steps=2)  # fmt: skip
+    # Gathers and scatters only: Lightning's own all-reduces (stop decisions) are not the sharding's traffic.
+    kinds = ("all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor", "reduce_scatter_single")
+    with count_collectives(2, kinds) as wrapped:
+        trainer.fit(_model(), datamodule=_data())
+    logged = [m["zero/comm_bytes_per_step"] for m in logger.metrics if "zero/comm_bytes_per_step" in m]
+    return {"own": trainer.strategy.comm_bytes, "wrapped": wrapped["bytes"], "logged": logged}
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_strategy_counts_the_bytes_its_collectives_send(stage):
+    """The strategy's own counter (FlatShardedOptimizer at stage 2, FSDP2's counted comms at stage 3) equals
+    an independent count over every torch.distributed collective the rank issued (clipping off: its norm
+    all-reduce is not the sharding's traffic)."""
+    results = run_on_ranks(_counted, stage, init_process_group=False)
+    for r in results:
+        assert r["own"] > 0 and r["own"] == r["wrapped"]
+    # Rank 0 logs the mean bytes per step over each window of log_every_n_steps=2 steps.
+    logged = results[0]["logged"]
+    assert len(logged) == 2 and sum(logged) * 2 == pytest.approx(results[0]["own"])
 
 
 class _NothingToTrain(CharGPT):
