@@ -18,6 +18,7 @@ import lightning as L
 from lightning_bigtrain.callbacks import RunReport
 from lightning_bigtrain.data import FashionMNISTDataModule, ShakespeareDataModule
 from lightning_bigtrain.models import CharGPT, FashionCNN
+from lightning_bigtrain.plugins import BF16Precision
 from lightning_bigtrain.strategies import ZeroOptions, ZeroStrategy
 
 __all__ = ["SETTINGS", "BadInput", "Setting", "by_name"]
@@ -131,6 +132,34 @@ SETTINGS: tuple[Setting, ...] = (
         ),
     ),
     Setting(name="zero2_cnn", model=_tiny_cnn, data=_tiny_fashion, trainer_kwargs=_zero(2)),
+    # Pure bf16 with compensated steps. Resume is exact: the Kahan buffers are optimizer state, and the
+    # stochastic rounding draws depend only on (seed, step), both checkpointed.
+    Setting(
+        name="bf16_kahan_ddp_gpt",
+        model=_tiny_gpt,
+        data=_tiny_shakespeare,
+        trainer_kwargs=lambda: {"strategy": "ddp", "plugins": [BF16Precision("kahan")]},
+        bad_inputs=(
+            BadInput("compensation", lambda: BF16Precision("round"), ValueError,  # type: ignore[arg-type]
+                     r"BF16Precision\(compensation='round'\)` is not supported"),
+            BadInput("fp16_model", lambda: BF16Precision().convert_module(_tiny_cnn().half()), ValueError,
+                     r"torch\.float16 parameters \(FashionCNN\)"),
+            BadInput("second_precision", lambda: L.Trainer(precision="bf16-mixed", plugins=[BF16Precision()]),
+                     ValueError, r"Received both `precision=bf16-mixed` and `plugins="),
+        ),
+    ),
+    Setting(
+        name="bf16_stochastic_zero2_cnn",
+        model=_tiny_cnn,
+        data=_tiny_fashion,
+        trainer_kwargs=lambda: {**_zero(2)(), "plugins": [BF16Precision("stochastic")]},
+    ),
+    Setting(
+        name="bf16_kahan_zero3_gpt",
+        model=_tiny_gpt_dropout,
+        data=_tiny_shakespeare,
+        trainer_kwargs=lambda: {**_zero(3)(), "plugins": [BF16Precision("kahan")]},
+    ),
     Setting(name="zero1_gpt", model=_tiny_gpt_dropout, data=_tiny_shakespeare, trainer_kwargs=_zero(1)),
 )  # fmt: skip
 

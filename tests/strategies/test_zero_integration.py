@@ -92,23 +92,23 @@ class _GradDtypes(L.Callback):
 
 
 class _ComputeDtypeGPT(CharGPT):
-    """Records the dtype the linear layers see during training."""
+    """Records the dtype the LM head computes in during training (its output's dtype)."""
 
     seen: set[torch.dtype]
 
     def training_step(self, batch, batch_idx):
         self.seen = getattr(self, "seen", set())
-        hook = self.lm_head.register_forward_pre_hook(lambda m, a: self.seen.add(m.weight.dtype))
+        hook = self.lm_head.register_forward_hook(lambda m, a, out: self.seen.add(out.dtype))
         try:
             return super().training_step(batch, batch_idx)
         finally:
             hook.remove()
 
 
-def _bf16(rank: int) -> dict:
+def _bf16(rank: int, stage: int) -> dict:
     L.seed_everything(0, verbose=False)
     model = _ComputeDtypeGPT(block_size=32, n_layer=2, n_head=2, n_embd=32)
-    strategy = ZeroStrategy(stage=3, min_wrap_params=1000)
+    strategy = ZeroStrategy(stage=stage, min_wrap_params=1000)
     grads = _GradDtypes()
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, precision="bf16-mixed", max_steps=3,
                         limit_val_batches=0, enable_checkpointing=False, callbacks=[grads], **_QUIET)  # fmt: skip
@@ -122,10 +122,13 @@ def _bf16(rank: int) -> dict:
     }
 
 
-def test_bf16_mixed_maps_onto_the_sharding_policy():
-    for r in run_on_ranks(_bf16, init_process_group=False):
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_bf16_mixed_maps_onto_the_sharding_policy(stage):
+    """Stage 3: FSDP2 MixedPrecisionPolicy (bf16 gathered parameters, fp32 reduction); stages 1-2: autocast
+    over fp32 parameters whose fp32 gradient buckets are reduce-scattered."""
+    for r in run_on_ranks(_bf16, stage, init_process_group=False):
         assert r["grads"] == {torch.float32}  # reduced and kept in fp32
-        assert r["compute"] == {torch.bfloat16}  # layers compute with gathered bf16 parameters
+        assert r["compute"] == {torch.bfloat16}  # layers compute in bf16
         assert r["stored"] == {torch.float32} and r["optimizer"] == {torch.float32}  # sharded fp32 masters
 
 

@@ -1,0 +1,133 @@
+"""Pure-bf16 training with compensated updates vs fp32 and Lightning's bf16 modes: quality, memory, time.
+
+    python -m benchmarks.precision [--quick] [--results-dir DIR]
+
+The char-GPT on Shakespeare, one CPU process per configuration, the same seed, data and number of steps:
+Lightning ``precision="32-true"`` (fp32, the reference), ``"bf16-mixed"`` and ``"bf16-true"`` (the peers),
+and ``BF16Precision`` with compensation none / kahan / stochastic. Reported per configuration: the final
+validation loss (the trained weights evaluated in fp32 on the same validation batches for every
+configuration, so that bf16 arithmetic in evaluation does not blur the comparison of the weights),
+model-state bytes (parameters + gradients + optimizer states, taken at an optimizer step), the median
+step time after warm-up, and the ratios to fp32 (and to ``bf16-mixed`` for time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import RESULTS_DIR, print_table, ratio, run_worker, write_results
+
+CONFIGS = ("fp32", "bf16-mixed", "bf16-true", "ours-none", "ours-kahan", "ours-stochastic")
+
+
+def worker(config: str, steps: int, quick: bool, out: str) -> None:
+    import lightning as L
+    import torch
+
+    from benchmarks.common import set_flush_denormal
+    from lightning_bigtrain.callbacks import RunReport
+    from lightning_bigtrain.data import ShakespeareDataModule
+    from lightning_bigtrain.models import CharGPT
+    from lightning_bigtrain.plugins import BF16Precision
+
+    set_flush_denormal()
+    L.seed_everything(0, verbose=False)
+    data = ShakespeareDataModule(block_size=128, batch_size=16)
+    width, layers = (128, 2) if quick else (384, 6)
+    model = CharGPT(vocab_size=data.vocab_size, block_size=128, n_layer=layers, n_head=6 if not quick else 4,
+                    n_embd=width)  # fmt: skip
+    psi = sum(p.numel() for p in model.parameters())
+    kwargs: dict[str, Any] = {}
+    if config.startswith("ours-"):
+        kwargs["plugins"] = [BF16Precision(config.removeprefix("ours-"))]  # type: ignore[arg-type]
+    else:
+        kwargs["precision"] = {"fp32": "32-true"}.get(config, config)
+    report = RunReport(warmup_steps=max(2, steps // 10), verbose=False)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, limit_val_batches=0, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[report], **kwargs)  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(model, datamodule=data)
+    # The trained weights, evaluated identically for every configuration: in fp32, on fixed batches.
+    model = model.float().eval()
+    losses = []
+    with torch.no_grad():
+        for i, batch in enumerate(data.val_dataloader()):
+            if i == (4 if quick else 40):
+                break
+            losses.append(model._loss(batch).item())
+    result = {**report.report, "psi": psi, "val_loss": sum(losses) / len(losses),
+              "step_seconds": report.report["seconds"] / report.report["timed_steps"]}  # fmt: skip
+    Path(out).write_text(json.dumps(result))
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS),
+                        help="subset to run (fp32, the reference, always runs)")  # fmt: skip
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    steps = args.steps or (20 if args.quick else 250)
+    if args.worker:
+        worker(args.worker, steps, args.quick, args.out)
+        return {}
+
+    extra = ["--quick"] if args.quick else []
+    configs = ["fp32", *(c for c in args.configs if c != "fp32")]
+    runs = {c: run_worker("benchmarks.precision", ["--worker", c, "--steps", str(steps), *extra]) for c in configs}
+    ref = runs["fp32"]
+    mixed = runs.get("bf16-mixed")
+    psi = ref["psi"]
+    rows, figures = [], {}
+    for config in configs:
+        r = runs[config]
+        state = max(r["model_state_bytes_per_rank"])
+        figures[config] = {
+            "val_loss": r["val_loss"],
+            "val_loss_over_fp32": ratio(r["val_loss"], ref["val_loss"]),
+            "model_state_bytes": state,
+            "bytes_per_param": state / psi,
+            "state_over_fp32": ratio(state, max(ref["model_state_bytes_per_rank"])),
+            "step_seconds": r["step_seconds"],
+            "step_time_over_fp32": ratio(r["step_seconds"], ref["step_seconds"]),
+            "step_time_over_bf16_mixed": ratio(r["step_seconds"], mixed["step_seconds"]) if mixed else None,
+            "peak_rss_mib": max(r["peak_memory_bytes_per_rank"]) / 2**20,
+            "train_loss_end": r["train_loss_end"],
+        }
+        f = figures[config]
+        rows.append({
+            "config": config,
+            "val loss": f["val_loss"],
+            "val / fp32": f["val_loss_over_fp32"],
+            "bytes/param": f["bytes_per_param"],
+            "state / fp32": f["state_over_fp32"],
+            "step s": f["step_seconds"],
+            "step / fp32": f["step_time_over_fp32"],
+            "step / bf16-mixed": f["step_time_over_bf16_mixed"] if mixed else "-",
+            "peak RSS MiB": f["peak_rss_mib"],
+        })  # fmt: skip
+    print(f"\nPrecision, char-GPT {psi / 1e6:.1f}M params, AdamW, {steps} steps, 1 CPU process")
+    table = print_table(rows, list(rows[0]))
+    headline = ", ".join(
+        f"{c}: val x{figures[c]['val_loss_over_fp32']:.3f}, state x{figures[c]['state_over_fp32']:.2f}, "
+        f"step x{figures[c]['step_time_over_fp32']:.2f}"
+        for c in ("bf16-true", "ours-kahan", "ours-stochastic")
+        if c in figures
+    )
+    payload = {"config": {"steps": steps, "quick": args.quick, "psi": psi}, "figures": figures, "table": table}
+    print(f"wrote {write_results('precision', payload, headline, args.results_dir)}")
+    return figures
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,5 @@
+"""Lightning plugins of lightning_bigtrain, passed as ``Trainer(plugins=[...])``."""
+
+from lightning_bigtrain.plugins.precision import BF16Precision
+
+__all__ = ["BF16Precision"]
