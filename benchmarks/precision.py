@@ -25,7 +25,7 @@ from benchmarks.common import RESULTS_DIR, print_table, ratio, run_worker, write
 CONFIGS = ("fp32", "bf16-mixed", "bf16-true", "ours-none", "ours-kahan", "ours-stochastic")
 
 
-def worker(config: str, steps: int, quick: bool, out: str) -> None:
+def worker(config: str, steps: int, quick: bool, out: str, lr: float | None) -> None:
     import lightning as L
     import torch
 
@@ -39,8 +39,9 @@ def worker(config: str, steps: int, quick: bool, out: str) -> None:
     L.seed_everything(0, verbose=False)
     data = ShakespeareDataModule(block_size=128, batch_size=16)
     width, layers = (128, 2) if quick else (384, 6)
+    lr_kwargs = {} if lr is None else {"lr": lr}
     model = CharGPT(vocab_size=data.vocab_size, block_size=128, n_layer=layers, n_head=6 if not quick else 4,
-                    n_embd=width)  # fmt: skip
+                    n_embd=width, **lr_kwargs)  # fmt: skip
     psi = sum(p.numel() for p in model.parameters())
     kwargs: dict[str, Any] = {}
     if config.startswith("ours-"):
@@ -74,15 +75,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
     parser.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS),
                         help="subset to run (fp32, the reference, always runs)")  # fmt: skip
+    parser.add_argument(
+        "--lr",
+        type=float,
+        default=None,
+        help="peak learning rate (default: CharGPT's 3e-3); results go to precision_lr<LR>.json",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     steps = args.steps or (20 if args.quick else 250)
     if args.worker:
-        worker(args.worker, steps, args.quick, args.out)
+        worker(args.worker, steps, args.quick, args.out, args.lr)
         return {}
 
-    extra = ["--quick"] if args.quick else []
+    extra = (["--quick"] if args.quick else []) + ([] if args.lr is None else ["--lr", str(args.lr)])
     configs = ["fp32", *(c for c in args.configs if c != "fp32")]
     runs = {c: run_worker("benchmarks.precision", ["--worker", c, "--steps", str(steps), *extra]) for c in configs}
     ref = runs["fp32"]
@@ -116,7 +123,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "step / bf16-mixed": f["step_time_over_bf16_mixed"] if mixed else "-",
             "peak RSS MiB": f["peak_rss_mib"],
         })  # fmt: skip
-    print(f"\nPrecision, char-GPT {psi / 1e6:.1f}M params, AdamW, {steps} steps, 1 CPU process")
+    lr_text = "CharGPT's default peak lr 3e-3" if args.lr is None else f"peak lr {args.lr:g}"
+    print(f"\nPrecision, char-GPT {psi / 1e6:.1f}M params, AdamW ({lr_text}), {steps} steps, 1 CPU process")
     table = print_table(rows, list(rows[0]))
     headline = ", ".join(
         f"{c}: val x{figures[c]['val_loss_over_fp32']:.3f}, state x{figures[c]['state_over_fp32']:.2f}, "
@@ -124,8 +132,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for c in ("bf16-true", "ours-kahan", "ours-stochastic")
         if c in figures
     )
-    payload = {"config": {"steps": steps, "quick": args.quick, "psi": psi}, "figures": figures, "table": table}
-    print(f"wrote {write_results('precision', payload, headline, args.results_dir)}")
+    payload = {"config": {"steps": steps, "quick": args.quick, "psi": psi, "lr": args.lr}, "figures": figures,
+               "table": table}  # fmt: skip
+    area = "precision" if args.lr is None else f"precision_lr{args.lr:g}"
+    print(f"wrote {write_results(area, payload, headline, args.results_dir)}")
     return figures
 
 

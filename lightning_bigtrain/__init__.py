@@ -9,6 +9,6 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from lightning_bigtrain import callbacks, data, functional, models, plugins, strategies, warnings
+from lightning_bigtrain import callbacks, data, functional, models, planning, plugins, strategies, warnings
 
-__all__ = ["__version__", "callbacks", "data", "functional", "models", "plugins", "strategies", "warnings"]
+__all__ = ["__version__", "callbacks", "data", "functional", "models", "planning", "plugins", "strategies", "warnings"]

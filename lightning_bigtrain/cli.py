@@ -3,6 +3,7 @@
     bigtrain fit --config configs/demo.yaml --trainer.max_steps=20
     bigtrain demo --output runs/demo
     bigtrain consolidate runs/zero3/checkpoints/last.ckpt model.ckpt
+    bigtrain plan --config configs/zero3.yaml --devices 8 --num-nodes 4 --device-memory 80GB
 
 Models and datamodules are given by ``class_path`` (any LightningModule / LightningDataModule);
 lightning_bigtrain's strategies, callbacks and plugins are reachable by ``class_path`` and by their
@@ -56,7 +57,7 @@ class BigtrainCLI(LightningCLI):
         kwargs.setdefault(
             "parser_kwargs",
             {"description": "lightning_bigtrain: fit/validate/test/predict any LightningModule. "
-                            "Also: `bigtrain demo --help`, `bigtrain consolidate --help`."},
+                            "Also: `bigtrain demo --help`, `bigtrain consolidate --help`, `bigtrain plan --help`."},
         )  # fmt: skip
         super().__init__(*args, **kwargs)
 
@@ -78,6 +79,10 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(demo_main(args[1:]))
     if args and args[0] == "consolidate":
         sys.exit(_consolidate_main(args[1:]))
+    if args and args[0] == "plan":
+        from lightning_bigtrain.planning.cli import main as plan_main
+
+        sys.exit(plan_main(args[1:]))
     try:
         BigtrainCLI(args=args)
     except Exception as err:

@@ -88,3 +88,22 @@ def test_consolidate_rejects_a_file(tmp_path):
     run = _bigtrain("consolidate", str(tmp_path / "model.ckpt"), str(tmp_path / "out.ckpt"), cwd=tmp_path)
     assert run.returncode != 0 and "expected the folder of a sharded checkpoint" in run.stderr
     assert "Traceback" not in run.stderr
+
+
+def test_plan_prints_a_table_and_writes_a_config_bigtrain_fit_reads(tmp_path):
+    run = _bigtrain("plan", "--config", str(ROOT / "configs" / "zero3.yaml"), "--devices", "8", "--num-nodes", "4",
+                    "--device-memory", "80GB", "--inter-node-bandwidth", "25Gbps", "--output", str(tmp_path),
+                    cwd=ROOT)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert "zero3_offload" in run.stdout and "<- recommended" in run.stdout
+    config = yaml.safe_load((tmp_path / "plan.yaml").read_text())
+    assert config["trainer"]["devices"] == 8 and config["trainer"]["num_nodes"] == 4
+    assert (tmp_path / "memory.png").stat().st_size > 0
+    check = _bigtrain("fit", "--config", str(tmp_path / "plan.yaml"), "--print_config", cwd=ROOT)
+    assert check.returncode == 0, check.stderr
+
+
+def test_plan_rejects_unknown_units(tmp_path):
+    run = _bigtrain("plan", "--config", str(ROOT / "configs" / "zero3.yaml"), "--devices", "8",
+                    "--device-memory", "80 GBB", "--output", str(tmp_path), cwd=ROOT)  # fmt: skip
+    assert run.returncode == 2 and "`device_memory='80 GBB'`: not a size" in run.stderr

@@ -61,18 +61,18 @@ def stochastic_round_(
         out: bf16 destination, same shape as ``value``.
         value: fp32 source (contiguous); used as scratch.
         generator: Source of the random bits.
-        noise: Optional int32 scratch of at least ``ceil(numel / 2)`` elements (avoids an allocation).
+        noise: Optional int32 scratch of at least ``numel`` elements (avoids an allocation).
     """
     if out.dtype != torch.bfloat16 or value.dtype != torch.float32:
         raise TypeError(f"stochastic_round_: expected bf16 out and fp32 value, got {out.dtype} and {value.dtype}.")
     n = value.numel()
-    half = (n + 1) // 2
-    if noise is None or noise.numel() < half:
-        noise = torch.empty(half, dtype=torch.int32, device=value.device)
-    # One 32-bit draw gives two 16-bit draws (the generator's cost is per draw, not per bit).
-    random16 = noise[:half].random_(-(2**31), 2**31, generator=generator).view(torch.int16)[:n].view(value.shape)
+    if noise is None or noise.numel() < n:
+        noise = torch.empty(n, dtype=torch.int32, device=value.device)
+    # random_() fills [0, 2^31); its low 16 bits are uniform on [0, 2^16). (Cheaper here than a bounded draw,
+    # and int32 + int32 stays on the fast path.)
+    random16 = noise[:n].view(value.shape).random_(generator=generator).bitwise_and_(0xFFFF)
     bits = value.view(torch.int32)
-    bits.add_(random16).add_(1 << 15).bitwise_and_(-65536)  # int16 in [-2^15, 2^15) -> [0, 2^16); 0xFFFF0000
+    bits.add_(random16).bitwise_and_(-65536)  # -65536 is 0xFFFF0000 as int32
     out.copy_(bits.view(torch.float32))
 
 
@@ -201,7 +201,8 @@ class CompensatedStep:
                 w = fp32_copy("w", p, p, at)
                 comp = state.get(COMPENSATION_KEY)
                 if self.compensation == "kahan" and comp is not None:
-                    w.add_(comp)
+                    # Same-dtype arithmetic only: mixed bf16/fp32 element-wise ops take a slow path on CPU.
+                    w.add_(fp32_copy("comp", comp, p, at))
                 assert p.grad is not None
                 w.grad = fp32_copy("g", p.grad, p, at)
                 opt.state[w] = {
@@ -241,7 +242,7 @@ class CompensatedStep:
             state[key] = value
         w_local, p_local = _local(w), _local(p)
         if self.compensation == "stochastic":
-            noise = self._workspace.get("noise", (total + 1) // 2, w_local.device, torch.int32)
+            noise = self._workspace.get("noise", total, w_local.device, torch.int32)
             stochastic_round_(p_local, w_local, self._generator(generators, w_local.device), noise=noise)
         else:
             p_local.copy_(w_local)
@@ -251,7 +252,8 @@ class CompensatedStep:
                 comp = torch.zeros_like(p)
             # What rounding dropped, computed in the (now free) gradient workspace: w - p, exact in fp32.
             scratch = self._workspace.get("g", total, w_local.device)[at : at + w_local.numel()].view(w_local.shape)
-            torch.sub(w_local, p_local, out=scratch)
+            scratch.copy_(p_local)
+            torch.sub(w_local, scratch, out=scratch)
             _local(comp).copy_(scratch)
             state[COMPENSATION_KEY] = comp
         self.optimizer.state[p] = state

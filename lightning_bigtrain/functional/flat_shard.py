@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["ELEMENTWISE_OPTIMIZERS", "FlatShardedOptimizer"]
+__all__ = ["ELEMENTWISE_OPTIMIZERS", "FlatShardedOptimizer", "bucket_runs"]
 
 ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.SGD,
@@ -42,6 +42,20 @@ ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.RAdam,
     torch.optim.RMSprop,
 )
+
+
+def bucket_runs(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
+    """Split ``params`` (one dtype) into buckets of about ``bucket_bytes``, in reverse order (backward produces
+    gradients roughly last layer first). Each bucket is then padded to a multiple of the world size."""
+    runs: list[list[nn.Parameter]] = [[]]
+    size = 0
+    for p in reversed(params):
+        if runs[-1] and size + p.numel() * p.element_size() > bucket_bytes:
+            runs.append([])
+            size = 0
+        runs[-1].append(p)
+        size += p.numel() * p.element_size()
+    return runs
 
 
 @dataclass
@@ -199,15 +213,7 @@ class FlatShardedOptimizer(torch.optim.Optimizer):
 
     def _flatten(self, params: list[nn.Parameter], bucket_bytes: int) -> list[_Bucket]:
         """Lay ``params`` out in one buffer of padded buckets; parameters and gradients become views."""
-        ordered = list(reversed(params))  # backward produces gradients roughly in reverse order
-        runs: list[list[nn.Parameter]] = [[]]
-        size = 0
-        for p in ordered:
-            if runs[-1] and size + p.numel() * p.element_size() > bucket_bytes:
-                runs.append([])
-                size = 0
-            runs[-1].append(p)
-            size += p.numel() * p.element_size()
+        runs = bucket_runs(params, bucket_bytes)
         chunks = [math.ceil(sum(p.numel() for p in run) / self.world) for run in runs]
         first = params[0]
         flat = torch.zeros(sum(chunks) * self.world, dtype=first.dtype, device=first.device)

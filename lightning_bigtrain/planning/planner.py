@@ -1,0 +1,497 @@
+"""The planner behind ``bigtrain plan``: per-device memory and communication of each strategy, and a pick.
+
+Model states follow what this package's strategies hold (the ZeRO formulas of Rajbhandari et al., 2020,
+with the dtypes of the chosen precision); activations are measured by a forward and backward pass on fake
+tensors (no memory, no data); bytes sent per step are counted as the strategies count them (ring
+equivalent: (N-1)/N of each gathered output or reduce-scattered input; an all-reduce twice that), from the
+same bucket and sharding-unit layout the strategies build; communication time uses the latency-bandwidth
+model of ring collectives (Thakur et al., "Optimization of collective communication operations in MPICH",
+2005): a ring step costs ``alpha + bytes / beta``, an all-gather or reduce-scatter takes N-1 steps of
+M/N bytes, an all-reduce 2(N-1). Across nodes the ring is limited by the inter-node link.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_bigtrain.warnings import BigtrainWarning
+
+__all__ = ["STRATEGIES", "Plan", "PlanRow", "parse_bandwidth", "parse_bytes", "plan", "zero_paper_bytes"]
+
+STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload")
+# Registered strategy name for each row.
+STRATEGY_NAMES = {
+    "ddp": "ddp",
+    "zero1": "bigtrain_zero1",
+    "zero2": "bigtrain_zero2",
+    "zero3": "bigtrain_zero3",
+    "zero2_offload": "bigtrain_zero2_offload",
+    "zero3_offload": "bigtrain_zero3_offload",
+}
+# Bytes per element of (parameters, gradients, each fp32-state element) held by the strategies per precision.
+# Lightning's "-mixed" precisions autocast over fp32 parameters; "-true" hold everything in 16 bits;
+# "bigtrain-bf16-kahan" / "-stochastic" are BF16Precision's (bf16 states, Kahan buffer 2 bytes).
+_PRECISIONS: dict[str, tuple[int, int, float, int]] = {
+    # precision: (param bytes, grad bytes, optimizer-state bytes per fp32 state byte, extra state bytes)
+    "32-true": (4, 4, 1.0, 0),
+    "32": (4, 4, 1.0, 0),
+    "16-mixed": (4, 4, 1.0, 0),
+    "bf16-mixed": (4, 4, 1.0, 0),
+    "16-true": (2, 2, 0.5, 0),
+    "bf16-true": (2, 2, 0.5, 0),
+    "bigtrain-bf16-kahan": (2, 2, 0.5, 2),
+    "bigtrain-bf16-stochastic": (2, 2, 0.5, 0),
+}
+# fp32 optimizer-state bytes per parameter.
+_OPTIMIZERS = {"adamw": 8, "adam": 8, "sgd": 4, "sgd-nomomentum": 0, "adagrad": 4, "rmsprop": 4}
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
+_RATE_UNITS = {"bps": 1 / 8, "kbps": 1e3 / 8, "mbps": 1e6 / 8, "gbps": 1e9 / 8, "tbps": 1e12 / 8,
+               "b/s": 1, "kb/s": 1e3, "mb/s": 1e6, "gb/s": 1e9}  # fmt: skip
+_BUCKET_BYTES = 25 * 2**20  # DDP's and FlatShardedOptimizer's bucket size
+
+
+def parse_bytes(value: str | int | float, name: str = "device_memory") -> int:
+    """``"80GB"``, ``"80GiB"``, ``"512MiB"`` or a number of bytes -> bytes."""
+    if isinstance(value, int | float):
+        return int(value)
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", value)
+    unit = match.group(2).lower() if match else None
+    if not match or unit not in _UNITS:
+        raise ValueError(
+            f"`{name}={value!r}`: not a size. Write a number with one of the units "
+            "B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024), e.g. '80GB'."
+        )
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def parse_bandwidth(value: str | int | float, name: str = "inter_node_bandwidth") -> float:
+    """``"25Gbps"`` (bits per second), ``"12.5GB/s"`` (bytes per second) or bytes per second -> bytes/s."""
+    if isinstance(value, int | float):
+        return float(value)
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z/]*)\s*", value)
+    unit = match.group(2) if match else ""
+    key = unit.lower()
+    # Case matters between bits and bytes: "Gbps"/"Gb/s" are bits, "GB/s" bytes.
+    if unit.endswith("B/s"):
+        key = unit[:-3].lower() + "b/s"
+    elif unit.endswith("b/s"):
+        key = unit[:-3].lower() + "bps"
+    if not match or key not in _RATE_UNITS:
+        raise ValueError(
+            f"`{name}={value!r}`: not a bandwidth. Write bits per second (bps, Kbps, Mbps, Gbps, Tbps) or "
+            "bytes per second (B/s, KB/s, MB/s, GB/s), e.g. '25Gbps' or '400GB/s'."
+        )
+    return float(match.group(1)) * _RATE_UNITS[key]
+
+
+def zero_paper_bytes(stage: int, num_params: int, world_size: int, optimizer_state_bytes: int = 12) -> float:
+    """Model states per device in mixed precision as in Rajbhandari et al. (2020), Fig. 1: 2 bytes of 16-bit
+    parameters, 2 of 16-bit gradients and K = ``optimizer_state_bytes`` of fp32 master weights and Adam
+    moments (K = 12) per parameter, sharded by stage: 0 (DDP) (4+K)Ψ; 1 (4 + K/N)Ψ; 2 (2 + (2+K)/N)Ψ;
+    3 (4+K)Ψ/N."""
+    psi, n, k = num_params, world_size, optimizer_state_bytes
+    return {0: (4 + k) * psi, 1: (4 + k / n) * psi, 2: (2 + (2 + k) / n) * psi, 3: (4 + k) * psi / n}[stage]
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    """One strategy's prediction, per device (bytes; seconds per optimizer step)."""
+
+    strategy: str
+    params_bytes: float
+    grads_bytes: float
+    optimizer_bytes: float
+    activation_bytes: float
+    transient_bytes: float
+    host_bytes: float
+    comm_bytes_per_step: float
+    comm_seconds_per_step: float
+    offload_seconds_per_step: float
+    fits: bool
+
+    @property
+    def model_states_bytes(self) -> float:
+        return self.params_bytes + self.grads_bytes + self.optimizer_bytes
+
+    @property
+    def peak_bytes(self) -> float:
+        return self.model_states_bytes + self.activation_bytes + self.transient_bytes
+
+    @property
+    def seconds_per_step(self) -> float:
+        """The part of a step the strategy adds: communication and host transfers (compute is the same)."""
+        return self.comm_seconds_per_step + self.offload_seconds_per_step
+
+
+@dataclass
+class Plan:
+    """The planner's answer: ``rows[strategy]`` for each strategy, and the recommended one."""
+
+    rows: dict[str, PlanRow]
+    num_params: int
+    world_size: int
+    device_memory: int
+    precision: str
+    activation_checkpointing: bool
+    recommendation: str | None
+    notes: list[str] = field(default_factory=list)
+
+    def __getitem__(self, strategy: str) -> PlanRow:
+        return self.rows[strategy]
+
+    def table(self) -> str:
+        """A plain-text table, one line per strategy (GiB per device; milliseconds per step)."""
+        head = (f"{'strategy':<14} {'states':>8} {'activ.':>8} {'peak':>8} {'host':>8} {'sent/step':>10} "
+                f"{'comm ms':>8} fits")  # fmt: skip
+        lines = [head, "-" * len(head)]
+        for name, r in self.rows.items():
+            mark = "yes" if r.fits else "no"
+            if name == self.recommendation:
+                mark += "  <- recommended"
+            lines.append(
+                f"{name:<14} {_gib(r.model_states_bytes):>8} {_gib(r.activation_bytes):>8} {_gib(r.peak_bytes):>8} "
+                f"{_gib(r.host_bytes):>8} {_gib(r.comm_bytes_per_step):>10} {1e3 * r.seconds_per_step:>8.1f} {mark}"
+            )
+        lines.append(f"(GiB per device; {self.world_size} devices with {_gib(self.device_memory)} GiB each)")
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    def trainer_config(self, devices: int, num_nodes: int) -> dict[str, Any]:
+        """The recommended Trainer arguments, as ``bigtrain fit`` reads them under ``trainer:``."""
+        if self.recommendation is None:
+            raise ValueError("No configuration fits; see `Plan.notes` for what would.")
+        return {"devices": devices, "num_nodes": num_nodes, "strategy": STRATEGY_NAMES[self.recommendation],
+                "precision": self.precision if not self.precision.startswith("bigtrain-") else "32-true"}  # fmt: skip
+
+    def chart(self, path: str) -> str:
+        """Save a stacked bar chart of the memory breakdown per strategy as PNG (needs matplotlib)."""
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError as err:
+            raise ImportError("`Plan.chart` needs matplotlib: `pip install lightning_bigtrain[test]`.") from err
+        names = list(self.rows)
+        parts = {
+            "parameters": [self.rows[n].params_bytes for n in names],
+            "gradients": [self.rows[n].grads_bytes for n in names],
+            "optimizer states": [self.rows[n].optimizer_bytes for n in names],
+            "activations": [self.rows[n].activation_bytes for n in names],
+            "transient buffers": [self.rows[n].transient_bytes for n in names],
+        }
+        fig, ax = plt.subplots(figsize=(8, 4))
+        bottom = [0.0] * len(names)
+        for label, values in parts.items():
+            gib = [v / 2**30 for v in values]
+            ax.bar(names, gib, bottom=bottom, label=label)
+            bottom = [b + g for b, g in zip(bottom, gib, strict=True)]
+        ax.axhline(self.device_memory / 2**30, color="black", linestyle="--", label="device memory")
+        ax.set_ylabel("GiB per device")
+        ax.set_title(f"{self.num_params / 1e6:.1f}M parameters, {self.precision}, {self.world_size} devices")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(path)
+        plt.close(fig)
+        return path
+
+
+def _gib(value: float) -> str:
+    return f"{value / 2**30:.2f}"
+
+
+def measure_activations(
+    model: nn.Module, example: torch.Tensor, *, checkpoint_blocks: Sequence[nn.Module] = ()
+) -> tuple[float, float]:
+    """Bytes the forward pass saves for backward (activations), measured on fake tensors: without and
+    with activation checkpointing of ``checkpoint_blocks`` (each block then keeps only its input, and the
+    largest block's activations are live again while it is recomputed in backward).
+
+    Parameters are not counted (they are model states). Raises on models that cannot run on fake tensors.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    saved: dict[int, int] = {}
+    param_storages: set[int] = set()
+    per_block: list[float] = []
+    block_inputs: list[float] = []
+
+    def storage_key(t: torch.Tensor) -> int:
+        return id(t.untyped_storage()) if not hasattr(t, "to_local") else id(t)
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        key = storage_key(t)
+        if key not in param_storages and key not in saved:
+            saved[key] = t.untyped_storage().nbytes()
+        return t
+
+    def total() -> float:
+        return float(sum(saved.values()))
+
+    hooks = []
+    for block in checkpoint_blocks:
+        start: list[float] = []
+
+        def before(module: nn.Module, args: tuple[Any, ...], start: list[float] = start) -> None:
+            start.append(total())
+            block_inputs.append(float(sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))))
+
+        def after(module: nn.Module, args: tuple[Any, ...], out: Any, start: list[float] = start) -> None:
+            per_block.append(total() - start[-1])
+
+        hooks += [block.register_forward_pre_hook(before), block.register_forward_hook(after)]
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            params = {n: mode.from_tensor(p).requires_grad_(p.requires_grad) for n, p in model.named_parameters()}
+            buffers = {n: mode.from_tensor(b) for n, b in model.named_buffers()}
+            for p in params.values():
+                param_storages.add(storage_key(p))
+            x = mode.from_tensor(example)
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = torch.func.functional_call(model, {**params, **buffers}, (x,))
+            loss = (out if isinstance(out, torch.Tensor) else out[0]).float().mean()
+            loss.backward()
+    finally:
+        for h in hooks:
+            h.remove()
+    plain = total()
+    if not checkpoint_blocks or not per_block:
+        return plain, plain
+    checkpointed = plain - sum(per_block) + sum(block_inputs) + max(per_block)
+    return plain, checkpointed
+
+
+def _repeated_blocks(model: nn.Module) -> list[nn.Module]:
+    from lightning_bigtrain.functional.sharding import auto_wrap_targets
+
+    return auto_wrap_targets(model, min_params=1)
+
+
+def plan(
+    model_or_num_params: nn.Module | int,
+    *,
+    devices: int,
+    num_nodes: int = 1,
+    device_memory: str | int = "80GB",
+    intra_node_bandwidth: str | float = "300GB/s",
+    inter_node_bandwidth: str | float = "25Gbps",
+    host_bandwidth: str | float = "25GB/s",
+    host_memory: str | int | None = None,
+    latency: float = 10e-6,
+    batch_shape: Sequence[int] | None = None,
+    input_dtype: torch.dtype = torch.long,
+    optimizer: str = "adamw",
+    precision: str = "32-true",
+    activation_checkpointing: bool = False,
+    accelerator: str = "cuda",
+) -> Plan:
+    """Predict per-device memory and communication of DDP and each ZeRO variant, and recommend one.
+
+    Args:
+        model_or_num_params: The model (measured: parameters, sharding units, activations) or a parameter
+            count (model states and communication from the formulas only; activations 0).
+        devices: Devices per node.
+        num_nodes: Nodes.
+        device_memory: Memory per device, e.g. ``"80GB"``.
+        intra_node_bandwidth: Link between devices of a node, e.g. ``"300GB/s"``.
+        inter_node_bandwidth: Link between nodes, e.g. ``"25Gbps"``.
+        host_bandwidth: Device <-> host copies of offloaded states, e.g. ``"25GB/s"``.
+        host_memory: Host memory per node for offloaded states (all of a node's devices share it); ``None``
+            leaves it unchecked.
+        latency: Seconds per ring step (alpha).
+        batch_shape: Per-device input batch shape, e.g. ``(32, 128)``; needed to measure activations.
+        input_dtype: Input dtype (``torch.long`` for token models).
+        optimizer: ``"adamw"``, ``"adam"``, ``"sgd"``, ``"sgd-nomomentum"``, ``"adagrad"``, ``"rmsprop"``.
+        precision: As Lightning spells it (``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"``, ``"bf16-true"``,
+            ...), or ``"bigtrain-bf16-kahan"`` / ``"bigtrain-bf16-stochastic"`` for BF16Precision.
+        activation_checkpointing: Count activations as if each repeated block were checkpointed.
+        accelerator: ``"cuda"`` or ``"cpu"`` (on CPU offloading moves nothing: offload rows equal stage 3).
+    """
+    if precision not in _PRECISIONS:
+        raise ValueError(f"`plan(precision={precision!r})`: choose one of {', '.join(_PRECISIONS)}.")
+    if optimizer not in _OPTIMIZERS:
+        raise ValueError(f"`plan(optimizer={optimizer!r})`: choose one of {', '.join(_OPTIMIZERS)}.")
+    if devices < 1 or num_nodes < 1:
+        raise ValueError(f"`plan(devices={devices}, num_nodes={num_nodes})`: both must be >= 1.")
+    if accelerator not in ("cuda", "cpu"):
+        raise ValueError(f"`plan(accelerator={accelerator!r})`: choose 'cuda' or 'cpu'.")
+    memory = parse_bytes(device_memory, "device_memory")
+    intra = parse_bandwidth(intra_node_bandwidth, "intra_node_bandwidth")
+    inter = parse_bandwidth(inter_node_bandwidth, "inter_node_bandwidth")
+    host = parse_bandwidth(host_bandwidth, "host_bandwidth")
+    host_limit = None if host_memory is None else parse_bytes(host_memory, "host_memory")
+    n = devices * num_nodes
+    beta = inter if num_nodes > 1 else intra
+    p_bytes, g_bytes, s_scale, s_extra = _PRECISIONS[precision]
+    state_per_param = _OPTIMIZERS[optimizer] * s_scale + s_extra
+    notes: list[str] = []
+
+    activations = 0.0
+    if isinstance(model_or_num_params, nn.Module):
+        model = model_or_num_params
+        params = [p for p in model.parameters()]
+        trainable = [p for p in params if p.requires_grad]
+        psi = sum(p.numel() for p in params)
+        psi_train = sum(p.numel() for p in trainable)
+        blocks = _repeated_blocks(model)
+        if batch_shape is not None:
+            example = torch.zeros(tuple(batch_shape), dtype=input_dtype)
+            try:
+                plain, checkpointed = measure_activations(model, example, checkpoint_blocks=blocks)
+                activations = checkpointed if activation_checkpointing else plain
+                if precision.startswith(("16", "bf16", "bigtrain-bf16")):
+                    activations /= 2  # measured in fp32; 16-bit compute halves the saved tensors
+            except Exception as err:  # any failure to trace falls back to counting
+                warnings.warn(
+                    f"plan: could not run {type(model).__name__} on fake tensors ({type(err).__name__}: {err}); "
+                    "activations are left out and only parameters are counted.",
+                    BigtrainWarning,
+                    stacklevel=2,
+                )
+                notes.append("activations not measured (the model could not run on fake tensors)")
+        else:
+            notes.append("activations not measured (give batch_shape)")
+        flat_chunks = _flat_chunks(_param_groups(model, trainable), n)
+        fsdp_numel = _fsdp_padded_numel(model, n)
+        fsdp_numel_train = _fsdp_padded_numel(model, n, trainable_only=True)
+        largest_unit = float(max([sum(p.numel() for p in b.parameters()) for b in blocks] or [psi]))
+    else:
+        psi = psi_train = int(model_or_num_params)
+        if psi < 1:
+            raise ValueError(f"`plan({model_or_num_params!r})`: the parameter count must be >= 1.")
+        blocks = []
+        buckets = max(1, math.ceil(psi * p_bytes / _BUCKET_BYTES))
+        flat_chunks = [math.ceil(psi / buckets / n)] * buckets
+        fsdp_numel = fsdp_numel_train = math.ceil(psi / n) * n
+        largest_unit = float(min(psi, _BUCKET_BYTES // p_bytes))  # units of about a bucket's size
+        notes.append("activations not measured (a parameter count was given, not a model)")
+
+    ring = (n - 1) / n
+
+    def ring_seconds(total_bytes: float, collectives: int, steps_per_collective: int) -> float:
+        if n == 1:
+            return 0.0
+        return collectives * steps_per_collective * (n - 1) * latency + steps_per_collective * ring * total_bytes / beta
+
+    # Sharding units: the repeated blocks plus the root; from a bare count, units of about a bucket's size.
+    units = len(blocks) + 1 if blocks else max(1, math.ceil(psi * p_bytes / _BUCKET_BYTES))
+    rows: dict[str, PlanRow] = {}
+    ddp_buckets = max(1, math.ceil(psi_train * g_bytes / _BUCKET_BYTES))
+    flat_bytes = 2 * ring * sum(flat_chunks) * n * p_bytes  # reduce-scatter + all-gather of padded buckets
+    for name in STRATEGIES:
+        offload = name.endswith("offload") and accelerator == "cuda"
+        stage = {"ddp": 0, "zero1": 1, "zero2": 2}.get(name, 3)
+        fsdp = stage == 3 or name.endswith("offload")
+        if fsdp:
+            # FSDP2 shards each parameter (dim 0 padded to N); zero2_offload keeps parameters gathered
+            # between forward and backward, stage 3 gathers them again for backward.
+            gathers = 1 if name == "zero2_offload" else 2
+            sent = ring * (gathers * fsdp_numel * p_bytes + fsdp_numel_train * g_bytes)
+            seconds = ring_seconds(fsdp_numel * p_bytes * gathers, gathers * units, 1)
+            seconds += ring_seconds(fsdp_numel_train * g_bytes, units, 1)
+            shard = fsdp_numel / n
+            p_dev, g_dev, s_dev = shard * p_bytes, shard * g_bytes, shard * state_per_param
+            transient = 2 * largest_unit * p_bytes  # the gathered unit and the prefetched next one
+            if name == "zero2_offload":
+                transient = psi * p_bytes  # parameters stay gathered from forward to backward
+        elif stage == 0:
+            sent = 2 * ring * psi_train * g_bytes
+            seconds = ring_seconds(psi_train * g_bytes, ddp_buckets, 2)
+            p_dev, g_dev, s_dev = psi * p_bytes, psi_train * g_bytes, psi_train * state_per_param
+            transient = psi_train * g_bytes  # DDP's gradient buckets (copies of the gradients)
+        else:
+            sent = flat_bytes
+            seconds = ring_seconds(sum(flat_chunks) * n * p_bytes, len(flat_chunks), 2)
+            share = sum(flat_chunks)
+            p_dev = psi * p_bytes
+            g_dev = psi_train * g_bytes if stage == 1 else share * g_bytes
+            s_dev = share * state_per_param
+            transient = 0.0 if stage == 1 else min(_BUCKET_BYTES, psi_train * g_bytes)  # one staging bucket
+        host_bytes = 0.0
+        offload_seconds = 0.0
+        if offload:
+            host_bytes = p_dev + g_dev + s_dev
+            offload_seconds = 2 * (p_dev + g_dev) / host  # parameters in, gradients out, every step
+            p_dev = g_dev = s_dev = 0.0
+        row = PlanRow(name, p_dev, g_dev, s_dev, activations, transient, host_bytes, sent, seconds, offload_seconds,
+                      fits=False)  # fmt: skip
+        fits = row.peak_bytes <= memory and (host_limit is None or host_bytes * devices <= host_limit)
+        rows[name] = PlanRow(**{**row.__dict__, "fits": fits})
+    fitting = [r for r in rows.values() if r.fits]
+    recommendation = None
+    if fitting:
+        # The fastest; among those within 2% of it, the simplest (the first in STRATEGIES order).
+        best = min(r.seconds_per_step for r in fitting)
+        recommendation = next(r.strategy for r in fitting if r.seconds_per_step <= best * 1.02 + 1e-9)
+    if recommendation is None:
+        smallest = min(rows.values(), key=lambda r: r.peak_bytes)
+        notes.append(
+            f"nothing fits in {_gib(memory)} GiB per device; the smallest is {smallest.strategy} at "
+            f"{_gib(smallest.peak_bytes)} GiB: use devices with at least that much memory, more devices "
+            f"(model states shrink with N under zero3), activation checkpointing, a smaller batch"
+            + ("" if host_limit is None else f", or more host memory for offloading ({_gib(host_limit)} GiB given)")
+        )
+    return Plan(rows, psi, n, memory, precision, activation_checkpointing, recommendation, notes)
+
+
+def _param_groups(model: nn.Module, trainable: list[nn.Parameter]) -> list[list[nn.Parameter]]:
+    """The trainable parameters grouped as the model's ``configure_optimizers`` groups them (the flat engine
+    buckets each group apart); one group when that cannot be called outside a Trainer."""
+    configure = getattr(model, "configure_optimizers", None)
+    optimizer: Any = None
+    if callable(configure):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                result = configure()
+            optimizer = result if isinstance(result, torch.optim.Optimizer) else None
+            if optimizer is None and isinstance(result, dict):
+                optimizer = result.get("optimizer")
+            if optimizer is None and isinstance(result, list | tuple) and result:
+                first = result[0]
+                optimizer = first[0] if isinstance(first, list | tuple) else first
+        except Exception as err:
+            # Typically the LR scheduler asks for `self.trainer` after the optimizer was built: take the
+            # optimizer from the failed call's frames.
+            frame = err.__traceback__
+            while frame is not None and optimizer is None:
+                optimizer = next(
+                    (v for v in frame.tb_frame.f_locals.values() if isinstance(v, torch.optim.Optimizer)), None
+                )
+                frame = frame.tb_next
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return [[p for p in g["params"] if p.requires_grad] for g in optimizer.param_groups]
+    return [trainable]
+
+
+def _flat_chunks(groups: list[list[nn.Parameter]], world: int) -> list[int]:
+    """Per-rank partition lengths of FlatShardedOptimizer's buckets, group by group."""
+    from lightning_bigtrain.functional.flat_shard import bucket_runs
+
+    chunks = []
+    for params in groups:
+        if params:
+            chunks += [math.ceil(sum(p.numel() for p in run) / world) for run in bucket_runs(params, _BUCKET_BYTES)]
+    return chunks or [0]
+
+
+def _fsdp_padded_numel(model: nn.Module, world: int, trainable_only: bool = False) -> int:
+    """Elements FSDP2 all-gathers (or, ``trainable_only``, reduce-scatters) for the whole model: each
+    parameter's dim 0 padded to a multiple of N."""
+    total = 0
+    for p in model.parameters():
+        if trainable_only and not p.requires_grad:
+            continue
+        rows = p.shape[0] if p.dim() else 1
+        per_row = p.numel() // max(rows, 1)
+        total += math.ceil(rows / world) * world * per_row
+    return total

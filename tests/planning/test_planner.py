@@ -1,0 +1,117 @@
+"""Unit tests of the planner: units, the ZeRO formulas (paper and DeepSpeed), activations, recommendation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_bigtrain.models import CharGPT
+from lightning_bigtrain.planning import STRATEGIES, parse_bandwidth, parse_bytes, plan, zero_paper_bytes
+from lightning_bigtrain.warnings import BigtrainWarning
+
+
+def test_units():
+    assert parse_bytes("80GB") == 80 * 10**9 and parse_bytes("24GiB") == 24 * 2**30 and parse_bytes(512) == 512
+    assert parse_bandwidth("25Gbps") == pytest.approx(25e9 / 8)
+    assert parse_bandwidth("400GB/s") == pytest.approx(400e9)
+    assert parse_bandwidth("100Gb/s") == pytest.approx(100e9 / 8)
+    with pytest.raises(ValueError, match=r"`device_memory='80 GBB'`: not a size"):
+        parse_bytes("80 GBB")
+    with pytest.raises(ValueError, match=r"`inter_node_bandwidth='fast'`: not a bandwidth"):
+        parse_bandwidth("fast")
+    with pytest.raises(ValueError, match=r"device_memory='lots'"):
+        plan(1000, devices=2, device_memory="lots")
+
+
+def test_zero_paper_formulas_reproduce_figure_1():
+    """Rajbhandari et al. (2020), Fig. 1: 7.5B parameters, Adam (K = 12), 64 GPUs."""
+    psi, n = 7.5e9, 64
+    expected = {0: 120e9, 1: 31.4e9, 2: 16.6e9, 3: 1.9e9}
+    for stage, value in expected.items():
+        assert zero_paper_bytes(stage, int(psi), n) == pytest.approx(value, rel=0.02)
+
+
+def test_deepspeed_estimates_are_the_paper_formulas_plus_its_fp32_gradient_partition():
+    """DeepSpeed's estimators count what its engine holds: the paper's states plus an fp32 gradient partition
+    (4 bytes / N per parameter), and at stage 3 the largest layer gathered in fp32."""
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    psi, per_node, nodes, largest = 1_000_000_000, 8, 2, 50_000_000
+    n = per_node * nodes
+    _, zero2 = estimate_zero2_model_states_mem_needs(psi, per_node, nodes, cpu_offload=False)
+    assert zero2 == pytest.approx(zero_paper_bytes(2, psi, n) + 4 * psi / n, rel=1e-6)
+    _, zero3, _ = estimate_zero3_model_states_mem_needs(psi, largest, per_node, nodes, cpu_offload=False,
+                                                        cpu_offload_params=False)  # fmt: skip
+    assert zero3 == pytest.approx(zero_paper_bytes(3, psi, n) + 2 * psi / n + 4 * largest, rel=1e-6)
+
+
+def test_model_states_follow_the_strategies_dtypes():
+    psi = 1_000_000
+    fp32 = plan(psi, devices=2, precision="32-true")
+    assert {name: fp32[name].model_states_bytes / psi for name in ("ddp", "zero1", "zero2", "zero3")} == {
+        "ddp": 16, "zero1": 12, "zero2": 10, "zero3": 8}  # fmt: skip
+    assert set(fp32.rows) == set(STRATEGIES)
+    assert fp32["zero3_offload"].model_states_bytes == 0 and fp32["zero3_offload"].host_bytes == 8 * psi
+    assert plan(psi, devices=2, accelerator="cpu")["zero3_offload"].model_states_bytes == 8 * psi
+    kahan = plan(psi, devices=2, precision="bigtrain-bf16-kahan")
+    assert kahan["ddp"].model_states_bytes / psi == 10
+    # Bytes sent per step: an all-reduce of the gradients for DDP; reduce-scatter + all-gather for ZeRO 1/2;
+    # two all-gathers + a reduce-scatter for stage 3.
+    assert fp32["ddp"].comm_bytes_per_step == fp32["zero2"].comm_bytes_per_step == 4 * psi
+    assert fp32["zero3"].comm_bytes_per_step == 6 * psi
+
+
+def test_activations_are_measured_on_fake_tensors():
+    model = CharGPT(block_size=64, n_layer=4, n_head=4, n_embd=64)
+    one = plan(model, devices=2, batch_shape=(4, 64))
+    two = plan(model, devices=2, batch_shape=(8, 64))
+    checkpointed = plan(model, devices=2, batch_shape=(8, 64), activation_checkpointing=True)
+    assert one["ddp"].activation_bytes > 0
+    assert two["ddp"].activation_bytes == pytest.approx(2 * one["ddp"].activation_bytes, rel=0.05)
+    assert checkpointed["ddp"].activation_bytes < 0.6 * two["ddp"].activation_bytes
+    assert not any(p.device.type == "meta" for p in model.parameters())  # the real model is untouched
+
+
+class _NotTraceable(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        if x.sum().item() > 0:  # data-dependent Python control flow: no fake tensor can answer
+            return self.lin(x)
+        return self.lin(x).relu()
+
+
+def test_untraceable_model_falls_back_to_counting_parameters():
+    with pytest.warns(BigtrainWarning, match=r"could not run _NotTraceable on fake tensors"):
+        result = plan(_NotTraceable(), devices=2, batch_shape=(2, 4), input_dtype=torch.float32)
+    assert result["ddp"].activation_bytes == 0 and result["ddp"].model_states_bytes == 16 * 20
+    assert any("activations not measured" in note for note in result.notes)
+
+
+def test_recommends_the_fastest_that_fits_and_says_what_would_fit_otherwise():
+    psi = 1_000_000_000  # 16 GB of fp32 AdamW states with DDP
+    roomy = plan(psi, devices=8, device_memory="80GB")
+    assert roomy.recommendation == "ddp"  # fits, and sends no more than ZeRO 1/2 in fewer collectives
+    tight = plan(psi, devices=8, device_memory="8GB")  # DDP 16 GB, ZeRO-1 9 GB, ZeRO-2 5.5 GB
+    assert tight.recommendation == "zero2" and tight.trainer_config(8, 1)["strategy"] == "bigtrain_zero2"
+    tighter = plan(psi, devices=8, device_memory="4GB")  # ZeRO-3 2 GB + two gathered units
+    assert tighter.recommendation == "zero3"
+    assert plan(psi, devices=1, device_memory="1GB").recommendation == "zero3_offload"  # host memory unchecked
+    hopeless = plan(psi, devices=1, device_memory="1GB", host_memory="8GB")
+    assert hopeless.recommendation is None
+    assert any("nothing fits in" in note for note in hopeless.notes)
+    with pytest.raises(ValueError, match="No configuration fits"):
+        hopeless.trainer_config(1, 1)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match=r"plan\(precision='fp8'\)"):
+        plan(10, devices=1, precision="fp8")
+    with pytest.raises(ValueError, match=r"plan\(optimizer='lion'\)"):
+        plan(10, devices=1, optimizer="lion")
+    with pytest.raises(ValueError, match=r"devices=0"):
+        plan(10, devices=0)
