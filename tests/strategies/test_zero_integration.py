@@ -88,7 +88,8 @@ class _GradDtypes(L.Callback):
         self.grads: set[torch.dtype] = set()
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        self.grads |= {p.grad.dtype for p in pl_module.parameters() if p.grad is not None}
+        # The gradients the optimizer steps with (stage 2 keeps no full gradients, only its reduced slices).
+        self.grads |= {p.grad.dtype for g in optimizer.param_groups for p in g["params"] if p.grad is not None}
 
 
 class _ComputeDtypeGPT(CharGPT):
