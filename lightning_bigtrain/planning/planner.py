@@ -169,8 +169,16 @@ class Plan:
         """The recommended Trainer arguments, as ``bigtrain fit`` reads them under ``trainer:``."""
         if self.recommendation is None:
             raise ValueError("No configuration fits; see `Plan.notes` for what would.")
-        return {"devices": devices, "num_nodes": num_nodes, "strategy": STRATEGY_NAMES[self.recommendation],
-                "precision": self.precision if not self.precision.startswith("bigtrain-") else "32-true"}  # fmt: skip
+        config: dict[str, Any] = {"devices": devices, "num_nodes": num_nodes,
+                                  "strategy": STRATEGY_NAMES[self.recommendation]}  # fmt: skip
+        if self.precision.startswith("bigtrain-bf16-"):
+            # BF16Precision is a plugin; Lightning refuses it together with a `precision=` flag.
+            compensation = self.precision.removeprefix("bigtrain-bf16-")
+            config["plugins"] = [{"class_path": "lightning_bigtrain.plugins.BF16Precision",
+                                  "init_args": {"compensation": compensation}}]  # fmt: skip
+        else:
+            config["precision"] = self.precision
+        return config
 
     def chart(self, path: str) -> str:
         """Save a stacked bar chart of the memory breakdown per strategy as PNG (needs matplotlib)."""
@@ -426,6 +434,8 @@ def plan(
                       fits=False)  # fmt: skip
         fits = row.peak_bytes <= memory and (host_limit is None or host_bytes * devices <= host_limit)
         rows[name] = PlanRow(**{**row.__dict__, "fits": fits})
+    if accelerator == "cpu":
+        notes.append("on CPU, offloading has nothing to move: the offload rows are ZeRO-3 (FSDP2) without offload")
     fitting = [r for r in rows.values() if r.fits]
     recommendation = None
     if fitting:

@@ -57,6 +57,8 @@ def test_model_states_follow_the_strategies_dtypes():
     assert plan(psi, devices=2, accelerator="cpu")["zero3_offload"].model_states_bytes == 8 * psi
     kahan = plan(psi, devices=2, precision="bigtrain-bf16-kahan")
     assert kahan["ddp"].model_states_bytes / psi == 10
+    assert kahan.trainer_config(2, 1)["plugins"][0]["init_args"] == {"compensation": "kahan"}
+    assert "precision" not in kahan.trainer_config(2, 1)
     # Bytes sent per step: an all-reduce of the gradients for DDP; reduce-scatter + all-gather for ZeRO 1/2;
     # two all-gathers + a reduce-scatter for stage 3.
     assert fp32["ddp"].comm_bytes_per_step == fp32["zero2"].comm_bytes_per_step == 4 * psi
