@@ -44,6 +44,17 @@ ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
 )
 
 
+def _all_gather(output: torch.Tensor, input: torch.Tensor, **kwargs: Any) -> Any:
+    """Newer torch names it ``all_gather_single`` and deprecates ``all_gather_into_tensor`` (same signature).
+    Looked up per call, so that wrappers installed on torch.distributed (byte counters) see it."""
+    return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(output, input, **kwargs)
+
+
+def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, **kwargs: Any) -> Any:
+    """``reduce_scatter_single`` where torch has it, else ``reduce_scatter_tensor`` (same signature)."""
+    return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(output, input, **kwargs)
+
+
 def bucket_runs(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
     """Split ``params`` (one dtype) into buckets of about ``bucket_bytes``, in reverse order (backward produces
     gradients roughly last layer first). Each bucket is then padded to a multiple of the world size."""
@@ -204,7 +215,7 @@ class FlatShardedOptimizer(torch.optim.Optimizer):
     def _start_reduce(self, b: _Bucket) -> None:
         buffer = self._buffer(b)
         mine = buffer[self.rank * b.chunk : (self.rank + 1) * b.chunk]
-        b.work = dist.reduce_scatter_tensor(mine, buffer, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        b.work = _reduce_scatter(mine, buffer, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         self.comm_bytes += (self.world - 1) * mine.numel() * mine.element_size()
 
     def _on_backward_end(self) -> None:
@@ -278,7 +289,7 @@ class FlatShardedOptimizer(torch.optim.Optimizer):
         works = []
         for b in self._buckets:
             mine = b.flat[self.rank * b.chunk : (self.rank + 1) * b.chunk]
-            works.append(dist.all_gather_into_tensor(b.flat, mine, group=self.group, async_op=True))
+            works.append(_all_gather(b.flat, mine, group=self.group, async_op=True))
             self.comm_bytes += (self.world - 1) * mine.numel() * mine.element_size()
         for work in works:
             if work is not None:
