@@ -45,7 +45,7 @@ demo: venv data
 	$(VENV)/bin/bigtrain demo --output runs/demo
 
 # One script per area; each prints a table and writes benchmarks/results/<area>.json.
-BENCHES := ddp zero
+BENCHES := ddp zero precision
 
 bench: venv data
 	@set -e; for b in $(BENCHES); do $(PY) -m benchmarks.$$b; done
