@@ -142,6 +142,8 @@ SETTINGS: tuple[Setting, ...] = (
         bad_inputs=(
             BadInput("compensation", lambda: BF16Precision("round"), ValueError,  # type: ignore[arg-type]
                      r"BF16Precision\(compensation='round'\)` is not supported"),
+            BadInput("chunk_numel", lambda: BF16Precision(chunk_numel=0), ValueError,
+                     r"BF16Precision\(chunk_numel=0\)`: must be >= 1"),
             BadInput("fp16_model", lambda: BF16Precision().convert_module(_tiny_cnn().half()), ValueError,
                      r"torch\.float16 parameters \(FashionCNN\)"),
             BadInput("second_precision", lambda: L.Trainer(precision="bf16-mixed", plugins=[BF16Precision()]),
