@@ -175,8 +175,7 @@ class CompensatedStep:
         total = sum(_local(p).numel() for p in chunk)
         device = _local(chunk[0]).device
         ws = self._workspace
-        members = {id(p): p for p in chunk}
-        offsets: dict[int, int] = {}
+        offsets: dict[int, int] = {}  # by id(parameter): where its elements start in the workspaces
         offset = 0
         for p in chunk:
             offsets[id(p)] = offset
@@ -194,7 +193,7 @@ class CompensatedStep:
         for group in opt.param_groups:
             working = []
             for p in group["params"]:
-                if id(p) not in members:
+                if id(p) not in offsets:
                     continue
                 at = offsets[id(p)]
                 state = opt.state.pop(p, {})
@@ -206,7 +205,7 @@ class CompensatedStep:
                 assert p.grad is not None
                 w.grad = fp32_copy("g", p.grad, p, at)
                 opt.state[w] = {
-                    k: (fp32_copy(f"state.{k}", v, v, at) if _is_moment(k, v) and k != COMPENSATION_KEY else v)
+                    k: (fp32_copy(f"state.{k}", v, v, at) if _is_moment(k, v) else v)
                     for k, v in state.items()
                     if k != COMPENSATION_KEY
                 }

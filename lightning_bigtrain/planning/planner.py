@@ -234,7 +234,8 @@ def measure_activations(
     block_inputs: list[float] = []
 
     def storage_key(t: torch.Tensor) -> int:
-        return id(t.untyped_storage()) if not hasattr(t, "to_local") else id(t)
+        # The storage object is cached on the tensor, and pack() keeps every saved tensor alive.
+        return id(t.untyped_storage())
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         key = storage_key(t)
