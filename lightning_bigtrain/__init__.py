@@ -9,6 +9,27 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from lightning_bigtrain import callbacks, data, functional, models, planning, plugins, strategies, warnings
+from lightning_bigtrain import (
+    callbacks,
+    compression,
+    data,
+    functional,
+    models,
+    planning,
+    plugins,
+    strategies,
+    warnings,
+)
 
-__all__ = ["__version__", "callbacks", "data", "functional", "models", "planning", "plugins", "strategies", "warnings"]
+__all__ = [
+    "__version__",
+    "callbacks",
+    "compression",
+    "data",
+    "functional",
+    "models",
+    "planning",
+    "plugins",
+    "strategies",
+    "warnings",
+]

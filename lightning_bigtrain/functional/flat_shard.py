@@ -106,6 +106,10 @@ class FlatShardedOptimizer(torch.optim.Optimizer):
         mesh: 1-D device mesh over the data-parallel ranks.
         bucket_bytes: Target bucket size.
         shard_gradients: Keep only this rank's slice of the gradients (ZeRO-2).
+        compression: Stage 1: a :class:`~lightning_bigtrain.functional.compression.GradientCompression`
+            engine that averages each gradient bucket (compressed all-reduce) instead of the reduce-scatter.
+        reduce_dtype: Stage 2: reduce-scatter the gradients in this lower precision (``torch.float16`` or
+            ``torch.bfloat16``), divided by the world size first; the kept slice stays in the parameters' dtype.
 
     Raises:
         TypeError: The optimizer is not element-wise, or cannot be rebuilt from its ``defaults``.
@@ -117,6 +121,8 @@ class FlatShardedOptimizer(torch.optim.Optimizer):
         mesh: Any,
         bucket_bytes: int = 25 * 2**20,
         shard_gradients: bool = False,
+        compression: Any = None,
+        reduce_dtype: torch.dtype | None = None,
     ) -> None:
         from torch.distributed.tensor import DTensor, Shard
 
@@ -132,8 +138,12 @@ class FlatShardedOptimizer(torch.optim.Optimizer):
         self.group = mesh.get_group()
         self.world = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
+        if compression is not None and shard_gradients:
+            raise ValueError("`FlatShardedOptimizer(compression=...)` applies to stage 1 (replicated gradients) only.")
+        self.compression = compression  # a GradientCompression engine: stage 1's gradients are all-reduced by it
+        self.reduce_dtype = reduce_dtype  # stage 2: reduce-scatter in this (lower) precision
         self.require_sync = True
-        self.comm_bytes = 0  # bytes this rank sent in collectives, cumulative
+        self.comm_bytes = 0  # bytes this rank sent in collectives, cumulative (the compression engine counts its own)
         self._buckets: list[_Bucket] = []
         inner_groups = []
         for group in optimizer.param_groups:
@@ -214,6 +224,12 @@ class FlatShardedOptimizer(torch.optim.Optimizer):
 
     def _start_reduce(self, b: _Bucket) -> None:
         buffer = self._buffer(b)
+        if self.compression is not None:
+            b.work = self.compression.exchange(buffer, self.compression.segments(buffer, b.params, b.offsets))
+            return
+        if self.reduce_dtype is not None and buffer.dtype != self.reduce_dtype:
+            # Pre-divided, as torch's fp16 hook does, so the low-precision sum stays in range.
+            buffer = b.staging = buffer.div(self.world).to(self.reduce_dtype)
         mine = buffer[self.rank * b.chunk : (self.rank + 1) * b.chunk]
         b.work = _reduce_scatter(mine, buffer, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         self.comm_bytes += (self.world - 1) * mine.numel() * mine.element_size()
@@ -276,12 +292,16 @@ class FlatShardedOptimizer(torch.optim.Optimizer):
             b.work = None
             lo, hi = self.rank * b.chunk, (self.rank + 1) * b.chunk
             if b.grad is not None:
-                b.grad[lo:hi].div_(self.world)
+                if self.compression is None:  # the compressed exchange returns the average itself
+                    b.grad[lo:hi].div_(self.world)
                 b.grad[:lo].zero_()
                 b.grad[hi:].zero_()
             else:
                 assert b.staging is not None and b.shard_grad is not None
-                b.shard_grad.add_(b.staging[lo:hi], alpha=1.0 / self.world)
+                if b.staging.dtype != b.shard_grad.dtype:
+                    b.shard_grad.add_(b.staging[lo:hi].to(b.shard_grad.dtype))  # pre-divided
+                else:
+                    b.shard_grad.add_(b.staging[lo:hi], alpha=1.0 / self.world)
                 b.staging = None
         self._reset_pending()
 

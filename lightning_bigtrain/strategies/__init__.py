@@ -2,14 +2,15 @@
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_bigtrain.strategies.compressed_ddp import CompressedDDPStrategy
 from lightning_bigtrain.strategies.zero import ZeroOptions, ZeroStrategy
 
-__all__ = ["ZeroOptions", "ZeroStrategy", "register_all"]
+__all__ = ["CompressedDDPStrategy", "ZeroOptions", "ZeroStrategy", "register_all"]
 
 
 def register_all() -> None:
     """Register every strategy's names with Lightning's registry (idempotent)."""
-    for cls in (ZeroStrategy,):
+    for cls in (ZeroStrategy, CompressedDDPStrategy):
         cls.register_strategies(StrategyRegistry)
 
 

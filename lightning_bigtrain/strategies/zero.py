@@ -19,6 +19,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 
+from lightning_bigtrain.functional.compression import Cast, Compressor, GradientCompression
 from lightning_bigtrain.functional.flat_shard import FlatShardedOptimizer
 from lightning_bigtrain.functional.memory import model_state_bytes
 from lightning_bigtrain.functional.rng import fold_seed, seed_all_
@@ -29,6 +30,7 @@ from lightning_bigtrain.functional.sharding import (
     is_fully_sharded,
     shard_module_,
 )
+from lightning_bigtrain.strategies._compression import CHECKPOINT_KEY, CompressionSupport, resolve_compression
 from lightning_bigtrain.warnings import NoEffectWarning, warn_once
 
 if TYPE_CHECKING:
@@ -39,6 +41,7 @@ __all__ = ["ZeroOptions", "ZeroStrategy", "consolidate_checkpoint"]
 
 StartMethod = Literal["auto", "popen", "spawn", "fork", "forkserver"]
 _STAGES = (1, 2, 3)
+_CAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 _RNG_KEY = "bigtrain_rng"
 
 
@@ -117,6 +120,12 @@ class ZeroStrategy(ModelParallelStrategy):
         offload_params: Stage 3 only; implies ``offload_optimizer`` (FSDP2 offloads both together).
         min_wrap_params: Parameter count above which a repeated block or a submodule becomes its own
             sharding unit.
+        compression: Gradient compression (a compressor from ``lightning_bigtrain.compression`` or a name
+            such as ``"powersgd"``). Stage 1: any compressor; each gradient bucket is averaged by a
+            compressed all-reduce (with error feedback, checkpointed) instead of the reduce-scatter, and the
+            parameter all-gather after the step stays dense, so at most half of stage 1's bytes can be
+            saved. Stages 2 and 3: ``Cast("fp16" | "bf16")`` only, a low-precision reduce-scatter
+            (stage 3 through FSDP2's ``MixedPrecisionPolicy(reduce_dtype=...)``).
         options: The rarer knobs (:class:`ZeroOptions`): checkpoint layout, buffer broadcast,
             step-seeded RNG, launch method, backend, timeout.
     """
@@ -130,6 +139,7 @@ class ZeroStrategy(ModelParallelStrategy):
         offload_optimizer: bool = False,
         offload_params: bool = False,
         min_wrap_params: int = 100_000,
+        compression: Compressor | str | None = None,
         options: ZeroOptions | None = None,
     ) -> None:
         if stage not in _STAGES:
@@ -159,6 +169,14 @@ class ZeroStrategy(ModelParallelStrategy):
             )
         if min_wrap_params < 1:
             raise ValueError(f"`ZeroStrategy(min_wrap_params={min_wrap_params})`: must be >= 1.")
+        compressor = resolve_compression(compression, "ZeroStrategy")
+        if compressor is not None and stage > 1 and not isinstance(compressor, Cast):
+            raise ValueError(
+                f"`ZeroStrategy(stage={stage}, compression={compressor!r})` is not supported: at stage {stage} each "
+                "rank keeps only its slice of the reduced gradients, so it cannot apply a compressor whose "
+                "messages must be decoded whole (error feedback needs the full local gradient). Use stage=1 "
+                "with this compressor, or Cast('fp16'/'bf16') for a low-precision reduce-scatter."
+            )
         super().__init__(
             data_parallel_size="auto",
             tensor_parallel_size=1,
@@ -171,6 +189,8 @@ class ZeroStrategy(ModelParallelStrategy):
         self.offload_params = offload_params
         self.min_wrap_params = min_wrap_params
         self.options = options
+        self.compression = compressor
+        self._compression = CompressionSupport(compressor) if compressor is not None and stage == 1 else None
         self._rng_seed: int | None = None
         self._fsdp_comm: CommCounter | None = None
         self._logged_comm_bytes = 0
@@ -277,8 +297,19 @@ class ZeroStrategy(ModelParallelStrategy):
             self.setup_optimizers(trainer)
             mesh = self.device_mesh["data_parallel"]
             wrapped: list[torch.optim.Optimizer] = []
+            engine = None
+            if self._compression is not None:
+                engine = GradientCompression(self._compression.compressor, self.model, mesh.get_group())
+                self._compression.attach(engine, self.global_rank)
+            reduce_dtype = _CAST_DTYPES[self.compression.dtype] if isinstance(self.compression, Cast) else None
             for optimizer in self.optimizers:
-                flat = FlatShardedOptimizer(optimizer, mesh, shard_gradients=self.stage == 2)
+                flat = FlatShardedOptimizer(
+                    optimizer,
+                    mesh,
+                    shard_gradients=self.stage == 2,
+                    compression=engine,
+                    reduce_dtype=reduce_dtype if self.stage == 2 else None,
+                )
                 for config in self.lr_scheduler_configs:
                     if getattr(config.scheduler, "optimizer", None) is optimizer:
                         config.scheduler.optimizer = flat
@@ -330,6 +361,10 @@ class ZeroStrategy(ModelParallelStrategy):
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         checkpoint[_RNG_KEY] = self._rng_state()
+        if self._compression is not None:
+            state = self._compression.state_for_checkpoint(self)
+            if state is not None:
+                checkpoint[CHECKPOINT_KEY] = state
         location = str(self.broadcast(str(filepath)))
         if not _is_url(location):
             return super().save_checkpoint(checkpoint, filepath, storage_options)
@@ -354,6 +389,8 @@ class ZeroStrategy(ModelParallelStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         checkpoint = self._load_checkpoint(checkpoint_path, weights_only)
         self._restore_rng_state(checkpoint)
+        if self._compression is not None:
+            self._compression.load_from_checkpoint(checkpoint, self.global_rank)
         return checkpoint
 
     def _load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None) -> dict[str, Any]:
@@ -392,18 +429,26 @@ class ZeroStrategy(ModelParallelStrategy):
         with fsspec.open(f"{location.rstrip('/')}/{_METADATA_FILENAME}", "rb") as f:
             return torch.load(f, weights_only=bool(weights_only))
 
+    def teardown(self) -> None:
+        if self._compression is not None:
+            self._compression.close()
+        super().teardown()
+
     def model_to_device(self) -> None:
         assert self.model is not None
         if not (self.offload_optimizer and self.root_device.type != "cpu" and is_fully_sharded(self.model)):
             self.model.to(self.root_device)
 
     def _mp_policy(self) -> Any:
-        plugin = self.precision_plugin
-        if isinstance(plugin, MixedPrecision) and plugin.precision == "bf16-mixed":
-            from torch.distributed.fsdp import MixedPrecisionPolicy
+        from torch.distributed.fsdp import MixedPrecisionPolicy
 
-            # bf16 compute and communication of parameters; gradients reduced and stored in fp32.
-            return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        plugin = self.precision_plugin
+        reduce_dtype = _CAST_DTYPES[self.compression.dtype] if isinstance(self.compression, Cast) else None
+        if isinstance(plugin, MixedPrecision) and plugin.precision == "bf16-mixed":
+            # bf16 compute and communication of parameters; gradients reduced (unless compressed) and stored in fp32.
+            return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype or torch.float32)
+        if reduce_dtype is not None:
+            return MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
         return None
 
     def _offload_policy(self) -> Any:
@@ -450,12 +495,15 @@ class ZeroStrategy(ModelParallelStrategy):
         this torch offers no way to count FSDP2's."""
         flats = [o for o in self.optimizers if isinstance(o, FlatShardedOptimizer)]
         if flats:
-            return sum(o.comm_bytes for o in flats)
+            engine = self._compression.engine if self._compression is not None else None
+            return sum(o.comm_bytes for o in flats) + (int(engine.sent_bytes) if engine is not None else 0)
         return None if self._fsdp_comm is None else self._fsdp_comm.bytes
 
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         result = self._optimizer_step(optimizer, closure, model, **kwargs)
         self._log_comm()
+        if self._compression is not None:
+            self._compression.after_step(self)
         return result
 
     def _log_comm(self) -> None:

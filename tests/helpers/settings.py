@@ -16,10 +16,11 @@ from typing import Any
 import lightning as L
 
 from lightning_bigtrain.callbacks import RunReport
+from lightning_bigtrain.compression import Cast, OneBit, PowerSGD, Quantize, TopK
 from lightning_bigtrain.data import FashionMNISTDataModule, ShakespeareDataModule
 from lightning_bigtrain.models import CharGPT, FashionCNN
 from lightning_bigtrain.plugins import BF16Precision
-from lightning_bigtrain.strategies import ZeroOptions, ZeroStrategy
+from lightning_bigtrain.strategies import CompressedDDPStrategy, ZeroOptions, ZeroStrategy
 
 __all__ = ["SETTINGS", "BadInput", "Setting", "by_name"]
 
@@ -163,6 +164,36 @@ SETTINGS: tuple[Setting, ...] = (
         trainer_kwargs=lambda: {**_zero(3)(), "plugins": [BF16Precision("kahan")]},
     ),
     Setting(name="zero1_gpt", model=_tiny_gpt_dropout, data=_tiny_shakespeare, trainer_kwargs=_zero(1)),
+    # Gradient compression. Resume is exact: error-feedback buffers, PowerSGD factors and the step
+    # counter (which seeds stochastic rounding) are checkpointed per rank.
+    Setting(
+        name="ddp_powersgd_gpt",
+        model=_tiny_gpt,
+        data=_tiny_shakespeare,
+        trainer_kwargs=lambda: {"strategy": CompressedDDPStrategy(PowerSGD(rank=2))},
+        bad_inputs=(
+            BadInput("powersgd_rank", lambda: PowerSGD(rank=0), ValueError,
+                     r"`PowerSGD\(rank=0\)` is not supported: rank must be an integer >= 1"),
+            BadInput("topk_ratio_zero", lambda: TopK(ratio=0), ValueError, r"`TopK\(ratio=0\)` is not supported"),
+            BadInput("topk_ratio_big", lambda: TopK(ratio=1.5), ValueError, r"ratio must be in \(0, 1\]"),
+            BadInput("quantize_bits", lambda: Quantize(bits=3), ValueError, r"`Quantize\(bits=3\)`.*8 or 4"),
+            BadInput("cast_dtype", lambda: Cast("fp8"), ValueError, r"`Cast\(dtype='fp8'\)`"),  # type: ignore[arg-type]
+            BadInput("unknown_name", lambda: CompressedDDPStrategy("zip"), ValueError,
+                     r"`CompressedDDPStrategy\(compression='zip'\)` is not supported"),
+            BadInput("own_hook", lambda: CompressedDDPStrategy("topk", ddp_comm_hook=print), ValueError,
+                     r"ddp_comm_hook=...\)` is not supported: the strategy registers its own"),
+            BadInput("zero2_topk", lambda: ZeroStrategy(stage=2, compression="topk"), ValueError,
+                     r"`ZeroStrategy\(stage=2, compression=TopK\(.*\)\)` is not supported.*Use stage=1"),
+        ),
+    ),
+    Setting(name="ddp_topk_cnn", model=_tiny_cnn, data=_tiny_fashion,
+            trainer_kwargs=lambda: {"strategy": CompressedDDPStrategy(TopK(0.05))}),
+    Setting(name="ddp_int4_gpt", model=_tiny_gpt, data=_tiny_shakespeare,
+            trainer_kwargs=lambda: {"strategy": CompressedDDPStrategy(Quantize(4))}),
+    Setting(name="zero1_onebit_gpt", model=_tiny_gpt_dropout, data=_tiny_shakespeare,
+            trainer_kwargs=lambda: {"strategy": ZeroStrategy(stage=1, min_wrap_params=1000, compression=OneBit())}),
+    Setting(name="zero2_fp16_cnn", model=_tiny_cnn, data=_tiny_fashion,
+            trainer_kwargs=lambda: {"strategy": ZeroStrategy(stage=2, min_wrap_params=1000, compression="fp16")}),
 )  # fmt: skip
 
 

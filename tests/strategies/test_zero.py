@@ -11,7 +11,18 @@ from lightning_bigtrain.models import CharGPT, FashionCNN
 from lightning_bigtrain.models.gpt import Block
 from lightning_bigtrain.strategies import ZeroOptions, ZeroStrategy, register_all
 
-NAMES = {"bigtrain_zero1", "bigtrain_zero2", "bigtrain_zero3", "bigtrain_zero2_offload", "bigtrain_zero3_offload"}
+NAMES = {
+    "bigtrain_zero1",
+    "bigtrain_zero2",
+    "bigtrain_zero3",
+    "bigtrain_zero2_offload",
+    "bigtrain_zero3_offload",
+    "bigtrain_ddp_powersgd",
+    "bigtrain_ddp_topk",
+    "bigtrain_ddp_onebit",
+    "bigtrain_ddp_int8",
+    "bigtrain_ddp_fp16",
+}
 
 
 def test_registered_names_are_exactly_ours_and_registration_is_idempotent():

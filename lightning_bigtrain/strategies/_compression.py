@@ -1,0 +1,131 @@
+"""What CompressedDDPStrategy and ZeroStrategy share about gradient compression: resolving the user's
+``compression=`` argument, checkpointing each rank's compression state, and logging bytes per step."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from lightning_bigtrain.functional.compression import (
+    Cast,
+    Compressor,
+    GradientCompression,
+    OneBit,
+    PowerSGD,
+    Quantize,
+    TopK,
+)
+from lightning_bigtrain.warnings import BigtrainWarning, warn_once
+
+if TYPE_CHECKING:
+    from lightning.pytorch.strategies import ParallelStrategy as Strategy
+
+__all__ = ["CHECKPOINT_KEY", "COMPRESSION_NAMES", "CompressionSupport", "resolve_compression"]
+
+CHECKPOINT_KEY = "bigtrain_compression"
+
+#: The strings ``compression=`` accepts, each with its default settings.
+COMPRESSION_NAMES: dict[str, Any] = {
+    "powersgd": lambda: PowerSGD(rank=4),
+    "topk": lambda: TopK(ratio=0.01),
+    "onebit": OneBit,
+    "int8": lambda: Quantize(bits=8),
+    "int4": lambda: Quantize(bits=4),
+    "fp16": lambda: Cast("fp16"),
+    "bf16": lambda: Cast("bf16"),
+}
+
+
+def resolve_compression(value: Compressor | str | None, owner: str) -> Compressor | None:
+    """A compressor from a ``Compressor`` or one of :data:`COMPRESSION_NAMES`; ``owner`` names the call."""
+    if value is None or isinstance(value, Compressor):
+        return value
+    if isinstance(value, str) and value in COMPRESSION_NAMES:
+        return COMPRESSION_NAMES[value]()
+    raise ValueError(
+        f"`{owner}(compression={value!r})` is not supported: pass a compressor from "
+        "lightning_bigtrain.compression (PowerSGD, TopK, OneBit, Quantize, Cast) or one of "
+        f"{', '.join(repr(k) for k in COMPRESSION_NAMES)}."
+    )
+
+
+class CompressionSupport:
+    """Holds a strategy's :class:`GradientCompression` engine; saves, restores and logs it."""
+
+    def __init__(self, compressor: Compressor) -> None:
+        self.compressor = compressor
+        self.engine: GradientCompression | None = None
+        self._pending: dict[str, Any] | None = None
+        self._logged = (0.0, 0.0)
+
+    def attach(self, engine: GradientCompression, global_rank: int) -> None:
+        self.engine = engine
+        if self._pending is not None:
+            self._restore(self._pending, global_rank)
+            self._pending = None
+
+    def state_for_checkpoint(self, strategy: Strategy) -> dict[str, Any] | None:
+        """Every rank's state (a collective: call it on every rank)."""
+        if self.engine is None:
+            return None
+        states: list[Any] = [None] * strategy.world_size
+        torch.distributed.all_gather_object(states, self.engine.state_dict())
+        return {"world_size": strategy.world_size, "ranks": states}
+
+    def load_from_checkpoint(self, checkpoint: dict[str, Any], global_rank: int) -> None:
+        state = checkpoint.get(CHECKPOINT_KEY)
+        if state is None:
+            return
+        if self.engine is None:
+            self._pending = state
+        else:
+            self._restore(state, global_rank)
+
+    def _restore(self, state: dict[str, Any], global_rank: int) -> None:
+        assert self.engine is not None
+        saved = state["ranks"][0]
+        if saved["compressor"] != repr(self.compressor):
+            warn_once(
+                f"The checkpoint's gradient compression state was written for {saved['compressor']}, this run "
+                f"uses {self.compressor!r}: error feedback and factors start afresh.",
+                BigtrainWarning,
+            )
+            return
+        if state["world_size"] != self.engine.world:
+            warn_once(
+                f"The checkpoint was written by {state['world_size']} ranks, this run has {self.engine.world}: "
+                "per-rank error-feedback buffers are dropped (the run continues, not on the same trajectory).",
+                BigtrainWarning,
+            )
+            self.engine.load_state_dict(saved, errors=False)
+            return
+        self.engine.load_state_dict(state["ranks"][global_rank])
+
+    def after_step(self, strategy: Strategy) -> None:
+        """Count the step; at the trainer's logging cadence log bytes per step and the compression ratio."""
+        engine = self.engine
+        if engine is None:
+            return
+        engine.advance()
+        module = strategy.lightning_module
+        if module is None or not strategy.is_global_zero:
+            return
+        trainer = module.trainer
+        every = int(getattr(trainer, "log_every_n_steps", 0) or 0)
+        if every <= 0 or (trainer.global_step + 1) % every:
+            return
+        sent = (engine.sent_bytes - self._logged[0]) / every
+        dense = (engine.dense_bytes - self._logged[1]) / every
+        self._logged = (engine.sent_bytes, engine.dense_bytes)
+        metrics = {
+            "compression/sent_bytes_per_step": sent,
+            "compression/dense_bytes_per_step": dense,
+            "compression/ratio": dense / sent if sent else float("nan"),
+        }
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()

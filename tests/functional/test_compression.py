@@ -1,0 +1,198 @@
+"""Compressors: messages, byte formulas, and compressed vs dense averaging on 2 gloo ranks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_bigtrain.functional.compression import (
+    Cast,
+    GradientCompression,
+    OneBit,
+    PowerSGD,
+    Quantize,
+    TopK,
+    _pack_bits,
+    _unpack_bits,
+    allreduce_bytes,
+)
+from tests.helpers.distributed import run_on_ranks
+
+
+@pytest.mark.parametrize("bits", [1, 4, 8])
+def test_bit_packing_round_trips(bits):
+    values = torch.randint(0, 2**bits, (1001,), dtype=torch.uint8)
+    packed = _pack_bits(values, bits)
+    assert packed.numel() == math.ceil(1001 * bits / 8)
+    assert torch.equal(_unpack_bits(packed, bits, 1001), values)
+
+
+def test_topk_message_keeps_the_largest_entries():
+    x = torch.tensor([0.1, -5.0, 0.2, 3.0, -0.05, 0.0, 1.0, 0.3])
+    c = TopK(ratio=0.25)  # k = 2
+    payload, decoded = c.encode(x, None)
+    assert payload.numel() == c.payload_nbytes(8, 4) == 2 * 8
+    assert torch.equal(decoded, torch.tensor([0, -5.0, 0, 3.0, 0, 0, 0, 0]))
+    out = torch.zeros(8)
+    c.decode_add_(payload, out)
+    assert torch.equal(out, decoded)
+
+
+def test_onebit_message_is_signs_times_mean_magnitude():
+    x = torch.tensor([1.0, -3.0, 2.0, -2.0, 0.5, 0.5, -1.0, 4.0, 2.0])
+    c = OneBit()
+    payload, decoded = c.encode(x, None)
+    assert payload.numel() == c.payload_nbytes(9, 4) == 4 + 2
+    scale = x.abs().mean()
+    assert torch.allclose(decoded, torch.where(x >= 0, scale, -scale))
+    out = torch.zeros(9)
+    c.decode_add_(payload, out)
+    assert torch.equal(out, decoded)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantize_is_unbiased_and_decodes_what_it_reports(bits):
+    c = Quantize(bits, block=64)
+    x = torch.randn(300, generator=torch.Generator().manual_seed(0))
+    total = torch.zeros(300)
+    draws = 2000
+    for i in range(draws):
+        payload, decoded = c.encode(x, torch.Generator().manual_seed(i))
+        out = torch.zeros(300)
+        c.decode_add_(payload, out)
+        torch.testing.assert_close(out, decoded)  # receivers see what the sender accounts for
+        total += decoded
+    # Unbiased: the mean of many draws converges to x (standard error ~ scale / sqrt(draws)).
+    scale = x.abs().max() / c.levels
+    assert (total / draws - x).abs().max() < 5 * scale / math.sqrt(draws)
+
+
+def test_analytic_byte_ratios_at_two_ranks():
+    shape, dense = torch.Size((512, 512)), allreduce_bytes(512 * 512 * 4, 2)
+    assert dense / TopK(0.01).sent_bytes(shape, 4, 2) == pytest.approx(50, rel=0.01)
+    assert dense / OneBit().sent_bytes(shape, 4, 2) == pytest.approx(32, rel=0.01)
+    assert dense / Cast().sent_bytes(shape, 4, 2) == 2
+    assert dense / PowerSGD(rank=4).sent_bytes(shape, 4, 2) == 64
+    assert not PowerSGD(rank=4).compressible(torch.Size((512,)))  # vectors go dense
+    assert not PowerSGD(rank=4).compressible(torch.Size((6, 5)))  # factors would not be smaller
+
+
+def _grads(rank: int, step: int, shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return [torch.randn(s, generator=g) for s in shapes]
+
+
+class _Params(nn.Module):
+    def __init__(self, shapes: list[tuple[int, ...]]) -> None:
+        super().__init__()
+        self.ps = nn.ParameterList([nn.Parameter(torch.zeros(s)) for s in shapes])
+
+
+def _exchange(rank: int, compressor, shapes, steps: int, poison_step: int | None = None) -> dict:
+    module = _Params(shapes)
+    engine = GradientCompression(compressor, module)
+    params = list(module.parameters())
+    outputs, inputs, snapshots = [], [], {}
+
+    def snapshot() -> tuple[dict, dict]:
+        return ({k: v.clone() for k, v in engine.errors.items()}, {k: v.clone() for k, v in engine.factors.items()})
+
+    for step in range(steps):
+        grads = _grads(rank, step, shapes)
+        if step == poison_step and rank == 0:
+            grads[0].view(-1)[0] = float("inf")
+        if step == poison_step:
+            snapshots["before"] = snapshot()
+        buffer = torch.cat([g.reshape(-1) for g in grads])
+        inputs.append(buffer.clone())
+        engine.exchange(buffer, engine.segments(buffer, params)).wait()
+        outputs.append(buffer.clone())
+        engine.advance()
+        if step == poison_step:
+            snapshots["after"] = snapshot()
+    engine.close()
+    errors = torch.cat([engine.errors[f"ps.{i}"] if f"ps.{i}" in engine.errors else torch.zeros(math.prod(s))
+                        for i, s in enumerate(shapes)])  # fmt: skip
+    return {
+        "inputs": inputs,
+        "outputs": outputs,
+        "errors": errors,
+        "snapshots": snapshots,
+        "sent": engine.sent_bytes,
+        "dense": engine.dense_bytes,
+    }
+
+
+def _exchange_each(rank: int, compressors, *args) -> list[dict]:
+    return [_exchange(rank, c, *args) for c in compressors]
+
+
+SHAPES = [(48, 40), (40,), (16, 48)]
+
+
+@pytest.mark.integration
+def test_compressed_average_matches_dense_average():
+    cases = [
+        (TopK(ratio=1.0), 1e-6),  # every entry sent: exact up to summation order
+        (PowerSGD(rank=40), 1e-4),  # full rank: exact up to QR round-off
+        (Cast("fp16"), 2e-3),  # fp16 has 11 significant bits; values ~N(0, 1)
+        (Quantize(8, block=16), 4.0 / 127),  # |x| < 4 for these draws: at most one step per rank
+    ]
+    runs = run_on_ranks(_exchange_each, [c for c, _ in cases], SHAPES, 2)
+    for i, (compressor, atol) in enumerate(cases):
+        r0, r1 = runs[0][i], runs[1][i]
+        for step in range(2):
+            dense = (r0["inputs"][step] + r1["inputs"][step]) / 2
+            assert torch.equal(r0["outputs"][step], r1["outputs"][step]), f"{compressor}: replicas differ"
+            torch.testing.assert_close(r0["outputs"][step], dense, rtol=0, atol=atol, msg=repr(compressor))
+
+
+@pytest.mark.integration
+def test_error_feedback_loses_nothing_over_steps():
+    """Error feedback telescopes: sum of averaged outputs + mean final error = sum of averaged inputs."""
+    compressors = [TopK(0.05), OneBit(), PowerSGD(rank=2)]
+    runs = run_on_ranks(_exchange_each, compressors, SHAPES, 4)
+    for i, compressor in enumerate(compressors):
+        r0, r1 = runs[0][i], runs[1][i]
+        sent = sum(r0["outputs"])
+        given = sum((r0["inputs"][t] + r1["inputs"][t]) / 2 for t in range(4))
+        carried = (r0["errors"] + r1["errors"]) / 2
+        torch.testing.assert_close(sent + carried, given, rtol=0, atol=1e-4, msg=repr(compressor))
+        assert (sent - given).abs().max() > 1e-2, f"{compressor} should have left something out"
+
+
+@pytest.mark.integration
+def test_overflow_reaches_every_rank_and_leaves_state_untouched():
+    """Rank 0's gradient overflows (inf) at step 1: every rank gets non-finite averages (a gradient
+    scaler then skips the step everywhere), rank 0's error buffers and the shared factors are kept."""
+    compressors = [Cast("fp16", error_feedback=True), TopK(0.1), OneBit(), PowerSGD(rank=2)]
+    runs = run_on_ranks(_exchange_each, compressors, SHAPES, 3, 1)
+    for i, compressor in enumerate(compressors):
+        for rank in (0, 1):
+            r = runs[rank][i]
+            assert not torch.isfinite(r["outputs"][1]).all(), f"{compressor}: rank {rank} missed the overflow"
+            assert torch.isfinite(r["outputs"][2]).all(), f"{compressor}: the next step is clean again"
+            assert torch.isfinite(r["errors"]).all()
+        (errors_before, factors_before), (errors_after, factors_after) = (
+            runs[0][i]["snapshots"]["before"], runs[0][i]["snapshots"]["after"])  # fmt: skip
+        assert errors_before.keys() == errors_after.keys() and errors_before, repr(compressor)
+        for key, value in errors_before.items():
+            assert torch.equal(errors_after[key], value), f"{compressor}: error buffer {key} changed"
+        for key, value in factors_before.items():
+            assert torch.equal(factors_after[key], value), f"{compressor}: factor {key} changed"
+
+
+@pytest.mark.integration
+def test_counted_bytes_reach_the_analytic_ratio():
+    compressors = [TopK(0.01), OneBit(), PowerSGD(rank=4), Quantize(8), Quantize(4), Cast()]
+    shapes = [(256, 512), (512, 128)]
+    runs = run_on_ranks(_exchange_each, compressors, shapes, 1)
+    for i, compressor in enumerate(compressors):
+        analytic = sum(allreduce_bytes(math.prod(s) * 4, 2) for s in shapes) / sum(
+            compressor.sent_bytes(torch.Size(s), 4, 2) for s in shapes
+        )
+        measured = runs[0][i]["dense"] / runs[0][i]["sent"]
+        assert 0.98 * analytic <= measured <= 1.02 * analytic, repr(compressor)
