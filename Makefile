@@ -41,11 +41,13 @@ $(DATA)/shakespeare/.ready: lightning_bigtrain/data/prepare.py lightning_bigtrai
 test: venv data
 	$(PY) -m pytest tests
 
+# Extra demo flags, e.g. `make demo DEMO_ARGS="--strategy ddp --compression powersgd"`.
+DEMO_ARGS ?=
 demo: venv data
-	$(VENV)/bin/bigtrain demo --output runs/demo
+	$(VENV)/bin/bigtrain demo --output runs/demo $(DEMO_ARGS)
 
 # One script per area; each prints a table and writes benchmarks/results/<area>.json.
-BENCHES := ddp zero precision
+BENCHES := ddp zero precision compression
 
 bench: venv data
 	@set -e; for b in $(BENCHES); do $(PY) -m benchmarks.$$b; done

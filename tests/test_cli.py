@@ -83,6 +83,26 @@ def test_demo_runs_and_writes_its_report(tmp_path):
     assert "tokens/s" in text and text.strip() in run.stdout
 
 
+@pytest.mark.integration
+def test_demo_with_compression_logs_the_compression_ratio(tmp_path):
+    out = tmp_path / "demo"
+    run = _bigtrain("demo", "--max-steps", "10", "--strategy", "bigtrain_zero1", "--compression", "powersgd",
+                    "--output", str(out), cwd=tmp_path)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    assert report["strategy"].startswith("ZeroStrategy(stage=1, compression=PowerSGD(rank=4")
+    metrics = next((out / "logs").rglob("metrics.csv")).read_text()
+    header, *lines = metrics.splitlines()
+    column = header.split(",").index("compression/ratio")
+    ratios = [float(line.split(",")[column]) for line in lines if line.split(",")[column]]
+    assert ratios and min(ratios) > 10  # PowerSGD rank 4 on this GPT: about 20x fewer gradient bytes
+
+
+def test_demo_rejects_a_compressor_stage_2_cannot_carry(tmp_path):
+    run = _bigtrain("demo", "--compression", "topk", "--output", str(tmp_path), cwd=tmp_path)
+    assert run.returncode == 2 and "needs --strategy ddp or bigtrain_zero1" in run.stderr
+
+
 def test_consolidate_rejects_a_file(tmp_path):
     (tmp_path / "model.ckpt").write_bytes(b"")
     run = _bigtrain("consolidate", str(tmp_path / "model.ckpt"), str(tmp_path / "out.ckpt"), cwd=tmp_path)

@@ -195,8 +195,14 @@ class RunReport(Callback):
 
 
 def _describe(strategy: Any) -> str:
+    args = []
     stage = getattr(strategy, "stage", None)
-    return type(strategy).__name__ + (f"(stage={stage})" if isinstance(stage, int) else "")
+    if isinstance(stage, int):
+        args.append(f"stage={stage}")
+    compression = getattr(strategy, "compression", None)
+    if compression is not None:
+        args.append(f"compression={compression!r}")
+    return type(strategy).__name__ + (f"({', '.join(args)})" if args else "")
 
 
 def _fmt(value: Any, digits: int = 4) -> str:

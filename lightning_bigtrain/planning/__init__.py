@@ -1,6 +1,7 @@
 """The memory and communication planner behind ``bigtrain plan``."""
 
 from lightning_bigtrain.planning.planner import (
+    COMPRESSED_STRATEGIES,
     STRATEGIES,
     Plan,
     PlanRow,
@@ -10,4 +11,13 @@ from lightning_bigtrain.planning.planner import (
     zero_paper_bytes,
 )
 
-__all__ = ["STRATEGIES", "Plan", "PlanRow", "parse_bandwidth", "parse_bytes", "plan", "zero_paper_bytes"]
+__all__ = [
+    "COMPRESSED_STRATEGIES",
+    "STRATEGIES",
+    "Plan",
+    "PlanRow",
+    "parse_bandwidth",
+    "parse_bytes",
+    "plan",
+    "zero_paper_bytes",
+]

@@ -8,6 +8,12 @@ same bucket and sharding-unit layout the strategies build; communication time us
 model of ring collectives (Thakur et al., "Optimization of collective communication operations in MPICH",
 2005): a ring step costs ``alpha + bytes / beta``, an all-gather or reduce-scatter takes N-1 steps of
 M/N bytes, an all-reduce 2(N-1). Across nodes the ring is limited by the inter-node link.
+
+Compressed rows (``ddp_<compressor>``, ``zero1_<compressor>``, and ``zero2_fp16`` / ``zero3_fp16``) use each
+compressor's own byte formula per parameter (``Compressor.sent_bytes``; dense fp32/grad-dtype all-reduce for
+what it leaves dense), add the error-feedback buffer to the gradients' memory, and leave out the time spent
+compressing. They are lossy, so the recommendation is taken among the dense rows and a note names the fastest
+compressed row that fits when it is faster.
 """
 
 from __future__ import annotations
@@ -24,9 +30,26 @@ from torch import nn
 
 from lightning_bigtrain.warnings import BigtrainWarning
 
-__all__ = ["STRATEGIES", "Plan", "PlanRow", "parse_bandwidth", "parse_bytes", "plan", "zero_paper_bytes"]
+__all__ = [
+    "COMPRESSED_STRATEGIES",
+    "STRATEGIES",
+    "Plan",
+    "PlanRow",
+    "parse_bandwidth",
+    "parse_bytes",
+    "plan",
+    "zero_paper_bytes",
+]
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload")
+_COMPRESSORS = ("powersgd", "topk", "onebit", "int8", "int4", "fp16")
+#: Compressed rows: (base row, compressor name from ``lightning_bigtrain.compression.COMPRESSION_NAMES``).
+COMPRESSED_STRATEGIES: dict[str, tuple[str, str]] = {
+    **{f"ddp_{c}": ("ddp", c) for c in _COMPRESSORS},
+    **{f"zero1_{c}": ("zero1", c) for c in _COMPRESSORS},
+    "zero2_fp16": ("zero2", "fp16"),
+    "zero3_fp16": ("zero3", "fp16"),
+}
 # Registered strategy name for each row.
 STRATEGY_NAMES = {
     "ddp": "ddp",
@@ -189,7 +212,7 @@ class Plan:
             import matplotlib.pyplot as plt
         except ImportError as err:
             raise ImportError("`Plan.chart` needs matplotlib: `pip install lightning_bigtrain[test]`.") from err
-        names = list(self.rows)
+        names = [n for n in self.rows if n in STRATEGIES]  # memory differs little with compression
         parts = {
             "parameters": [self.rows[n].params_bytes for n in names],
             "gradients": [self.rows[n].grads_bytes for n in names],
@@ -302,6 +325,7 @@ def plan(
     precision: str = "32-true",
     activation_checkpointing: bool = False,
     accelerator: str = "cuda",
+    compression: bool = True,
 ) -> Plan:
     """Predict per-device memory and communication of DDP and each ZeRO variant, and recommend one.
 
@@ -324,6 +348,7 @@ def plan(
             ...), or ``"bigtrain-bf16-kahan"`` / ``"bigtrain-bf16-stochastic"`` for BF16Precision.
         activation_checkpointing: Count activations as if each repeated block were checkpointed.
         accelerator: ``"cuda"`` or ``"cpu"`` (on CPU offloading moves nothing: offload rows equal stage 3).
+        compression: Add the compressed rows (:data:`COMPRESSED_STRATEGIES`; PowerSGD rows need a model).
     """
     if precision not in _PRECISIONS:
         raise ValueError(f"`plan(precision={precision!r})`: choose one of {', '.join(_PRECISIONS)}.")
@@ -437,6 +462,18 @@ def plan(
         rows[name] = PlanRow(**{**row.__dict__, "fits": fits})
     if accelerator == "cpu":
         notes.append("on CPU, offloading has nothing to move: the offload rows are ZeRO-3 (FSDP2) without offload")
+    compressed: dict[str, PlanRow] = {}
+    if compression and n > 1:
+        shapes = ([p.shape for p in trainable] if isinstance(model_or_num_params, nn.Module)
+                  else None)  # fmt: skip
+        for name, (base, cname) in COMPRESSED_STRATEGIES.items():
+            if cname == "powersgd" and shapes is None:
+                continue
+            row = _compressed_row(name, rows[base], cname, shapes, psi_train, g_bytes, n, beta, latency, ddp_buckets)
+            fits = row.peak_bytes <= memory
+            compressed[name] = PlanRow(**{**row.__dict__, "fits": fits})
+        if shapes is None:
+            notes.append("PowerSGD rows need a model (its factors depend on the weight shapes)")
     fitting = [r for r in rows.values() if r.fits]
     recommendation = None
     if fitting:
@@ -451,7 +488,70 @@ def plan(
             f"(model states shrink with N under zero3), activation checkpointing, a smaller batch"
             + ("" if host_limit is None else f", or more host memory for offloading ({_gib(host_limit)} GiB given)")
         )
+    faster = [r for r in compressed.values() if r.fits and recommendation is not None
+              and r.seconds_per_step < rows[recommendation].seconds_per_step * 0.98]  # fmt: skip
+    if faster:
+        best_c = min(faster, key=lambda r: r.seconds_per_step)
+        notes.append(
+            f"with gradient compression (lossy, error feedback) {best_c.strategy} would communicate in "
+            f"{1e3 * best_c.seconds_per_step:.1f} ms per step instead of "
+            f"{1e3 * rows[str(recommendation)].seconds_per_step:.1f} ms (compression time not counted)"
+        )
+    rows.update(compressed)
     return Plan(rows, psi, n, memory, precision, activation_checkpointing, recommendation, notes)
+
+
+def _compressed_row(
+    name: str,
+    base: PlanRow,
+    cname: str,
+    shapes: list[torch.Size] | None,
+    psi_train: int,
+    g_bytes: int,
+    n: int,
+    beta: float,
+    latency: float,
+    buckets: int,
+) -> PlanRow:
+    """``base`` with its gradient exchange replaced by compressor ``cname`` (see the module docstring)."""
+    from lightning_bigtrain.functional.compression import Cast, allreduce_bytes
+    from lightning_bigtrain.strategies._compression import COMPRESSION_NAMES
+
+    compressor = COMPRESSION_NAMES[cname]()
+    ring = (n - 1) / n
+    stage = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3}[base.strategy]
+    if stage >= 2:
+        # A low-precision reduce-scatter: the gradient half of the base row's traffic is halved.
+        assert isinstance(compressor, Cast)
+        # Stage 2 (flat buckets): the reduce-scatter is half the traffic; stage 3: the gradients' share.
+        grad_part = base.comm_bytes_per_step / 2 if stage == 2 else ring * psi_train * g_bytes
+        saved = grad_part * max(0.0, 1 - 2 / g_bytes)  # nothing to save when gradients are 16-bit already
+        sent = base.comm_bytes_per_step - saved
+        seconds = base.comm_seconds_per_step - saved / beta
+        return PlanRow(name, base.params_bytes, base.grads_bytes, base.optimizer_bytes, base.activation_bytes,
+                       base.transient_bytes, base.host_bytes, sent, seconds, base.offload_seconds_per_step,
+                       fits=False)  # fmt: skip
+    if shapes is None:  # a bare count: one matrix-free stand-in, compressed as a whole
+        shapes = [torch.Size((psi_train,))]
+    grad_sent = 0.0
+    for shape in shapes:
+        numel = math.prod(shape)
+        if compressor.compressible(shape):
+            grad_sent += compressor.sent_bytes(shape, g_bytes, n)
+        else:
+            grad_sent += allreduce_bytes(numel * g_bytes, n)
+    # Latency: per bucket, an all-reduce (2(N-1) steps) or an all-gather (N-1); PowerSGD two all-reduces.
+    steps = {"powersgd": 4, "fp16": 2}.get(cname, 1) * (n - 1)
+    seconds = buckets * steps * latency + grad_sent / beta
+    if stage == 0:
+        sent = grad_sent
+    else:  # ZeRO-1: the parameter all-gather after the step stays dense (half of the base row's traffic)
+        sent = grad_sent + base.comm_bytes_per_step / 2
+        seconds += base.comm_seconds_per_step / 2
+    error = psi_train * g_bytes if compressor.error_feedback else 0.0
+    return PlanRow(name, base.params_bytes, base.grads_bytes + error, base.optimizer_bytes, base.activation_bytes,
+                   base.transient_bytes, base.host_bytes, sent, seconds, base.offload_seconds_per_step,
+                   fits=False)  # fmt: skip
 
 
 def _param_groups(model: nn.Module, trainable: list[nn.Parameter]) -> list[list[nn.Parameter]]:

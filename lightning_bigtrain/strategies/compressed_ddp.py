@@ -105,9 +105,15 @@ class CompressedDDPStrategy(DDPStrategy):
             )
 
     @property
-    def engine(self) -> GradientCompression | None:
+    def compression_engine(self) -> GradientCompression | None:
         """The compression engine (state, byte counters), once the model is wrapped."""
         return self._support.engine
+
+    @property
+    def comm_bytes(self) -> int | None:
+        """Bytes this rank has sent exchanging gradients since setup (ring-equivalent), as ZeroStrategy counts."""
+        engine = self._support.engine
+        return None if engine is None else int(engine.sent_bytes)
 
     def _register_ddp_hooks(self) -> None:
         assert isinstance(self.model, DistributedDataParallel)

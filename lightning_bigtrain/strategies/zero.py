@@ -489,6 +489,11 @@ class ZeroStrategy(ModelParallelStrategy):
             offset += b.numel()
 
     @property
+    def compression_engine(self) -> GradientCompression | None:
+        """Stage 1 with a compressor: the engine (error-feedback state, byte counters), once set up."""
+        return None if self._compression is None else self._compression.engine
+
+    @property
     def comm_bytes(self) -> int | None:
         """Bytes this rank has sent in the sharding's collectives since setup (ring-equivalent: (N-1)/N of
         each gathered output and each reduce-scattered input), counted where they are issued; None if

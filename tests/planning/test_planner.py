@@ -8,6 +8,7 @@ from torch import nn
 
 from lightning_bigtrain.models import CharGPT
 from lightning_bigtrain.planning import STRATEGIES, parse_bandwidth, parse_bytes, plan, zero_paper_bytes
+from lightning_bigtrain.planning.planner import COMPRESSED_STRATEGIES
 from lightning_bigtrain.warnings import BigtrainWarning
 
 
@@ -52,7 +53,9 @@ def test_model_states_follow_the_strategies_dtypes():
     fp32 = plan(psi, devices=2, precision="32-true")
     assert {name: fp32[name].model_states_bytes / psi for name in ("ddp", "zero1", "zero2", "zero3")} == {
         "ddp": 16, "zero1": 12, "zero2": 10, "zero3": 8}  # fmt: skip
-    assert set(fp32.rows) == set(STRATEGIES)
+    compressed = {name for name, (_, c) in COMPRESSED_STRATEGIES.items() if c != "powersgd"}  # needs shapes
+    assert set(fp32.rows) == set(STRATEGIES) | compressed
+    assert "PowerSGD rows need a model" in " ".join(fp32.notes)
     assert fp32["zero3_offload"].model_states_bytes == 0 and fp32["zero3_offload"].host_bytes == 8 * psi
     assert plan(psi, devices=2, accelerator="cpu")["zero3_offload"].model_states_bytes == 8 * psi
     kahan = plan(psi, devices=2, precision="bigtrain-bf16-kahan")
@@ -117,3 +120,24 @@ def test_bad_arguments():
         plan(10, devices=1, optimizer="lion")
     with pytest.raises(ValueError, match=r"devices=0"):
         plan(10, devices=0)
+
+
+def test_compressed_rows_follow_each_compressors_byte_formula():
+    model = CharGPT(block_size=64, n_layer=2, n_head=2, n_embd=64)
+    result = plan(model, devices=1, num_nodes=2, inter_node_bandwidth="100Mbps", batch_shape=(8, 64))
+    dense = result["ddp"].comm_bytes_per_step
+    assert result["ddp_fp16"].comm_bytes_per_step == pytest.approx(dense / 2)
+    # TopK(0.01) at N=2: 50x fewer bytes on the tensors it compresses (k rounds down), all of them here.
+    assert result["ddp_topk"].comm_bytes_per_step == pytest.approx(dense / 50, rel=0.02)
+    assert result["ddp_onebit"].comm_bytes_per_step < dense / 25
+    assert result["ddp_powersgd"].comm_bytes_per_step < dense / 5
+    # Error feedback costs one gradient-sized buffer; the unbiased Quantize keeps none.
+    psi = sum(p.numel() for p in model.parameters())
+    assert result["ddp_topk"].grads_bytes - result["ddp"].grads_bytes == 4 * psi
+    assert result["ddp_int8"].grads_bytes == result["ddp"].grads_bytes
+    # ZeRO-1 keeps its dense parameter all-gather; ZeRO-2 with fp16 halves only the reduce-scatter.
+    assert result["zero1_topk"].comm_bytes_per_step > result["zero1"].comm_bytes_per_step / 2
+    assert result["zero2_fp16"].comm_bytes_per_step == pytest.approx(0.75 * result["zero2"].comm_bytes_per_step)
+    # On a 100 Mbit/s link compression pays: the plan says so, but recommends a dense (lossless) row.
+    assert result.recommendation in STRATEGIES
+    assert any("with gradient compression" in note for note in result.notes)

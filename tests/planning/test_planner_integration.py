@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import lightning as L
 import pytest
 
@@ -9,7 +11,7 @@ from lightning_bigtrain.callbacks import RunReport
 from lightning_bigtrain.data import ShakespeareDataModule
 from lightning_bigtrain.models import CharGPT
 from lightning_bigtrain.planning import plan
-from lightning_bigtrain.strategies import ZeroStrategy
+from lightning_bigtrain.strategies import CompressedDDPStrategy, ZeroStrategy
 from tests.helpers.distributed import run_on_ranks
 
 pytestmark = pytest.mark.integration
@@ -34,20 +36,26 @@ class _CommPerStep(L.Callback):
 
 def _measure(rank: int, name: str) -> dict:
     L.seed_everything(0, verbose=False)
-    strategy = "ddp" if name == "ddp" else ZeroStrategy(stage=int(name[-1]), min_wrap_params=1000)
+    base, _, compression = name.partition("_")
+    if base == "ddp":
+        strategy: Any = CompressedDDPStrategy(compression) if compression else "ddp"
+    else:
+        strategy = ZeroStrategy(stage=int(base[-1]), min_wrap_params=1000, compression=compression or None)
     report = RunReport(verbose=False, warmup_steps=0)
     callbacks: list[L.Callback] = [report] + ([_CommPerStep()] if name != "ddp" else [])
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=_STEPS, limit_val_batches=0,
                         enable_checkpointing=False, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=callbacks)  # fmt: skip
     trainer.fit(_model(), datamodule=ShakespeareDataModule(block_size=32, batch_size=8, subset=128))
+    engine = getattr(trainer.strategy, "compression_engine", None)
+    error_bytes = sum(t.numel() * t.element_size() for t in engine.errors.values()) if engine else 0
     return {
-        "states": report.report["model_state_bytes_per_rank"][rank],
+        "states": report.report["model_state_bytes_per_rank"][rank] + error_bytes,
         "comm": callbacks[-1].per_step if name != "ddp" else None,
     }
 
 
-@pytest.mark.parametrize("name", ["ddp", "zero1", "zero2", "zero3"])
+@pytest.mark.parametrize("name", ["ddp", "zero1", "zero2", "zero3", "ddp_powersgd", "zero1_topk", "zero2_fp16"])
 def test_predictions_match_what_the_strategies_hold_and_send(name):
     predicted = plan(_model(), devices=2, accelerator="cpu", batch_shape=(8, 32))[name]
     for measured in run_on_ranks(_measure, name, init_process_group=False):

@@ -1,0 +1,400 @@
+"""Gradient compression on a real slow link: two network namespaces joined by a veth pair shaped with
+``tc``, one rank in each (two "nodes"), gloo over that link.
+
+    python -m benchmarks.compression [--quick] [--links 100mbit 1gbit] [--results-dir DIR]
+
+Peers, in the same run: dense fp32 DDP, torch's own ``fp16_compress_hook`` (the 16-bit all-reduce every
+claim must beat; Agarwal et al., MLSys 2022) and torch's ``powerSGD_hook``, both registered on DDP exactly
+as torch ships them (Lightning would drop them on CPU). Ours: CompressedDDPStrategy with each compressor.
+
+Per link and model: median step time over the timed steps (after warm-up), the speedup over the fp16
+hook, bytes this rank sent per step (counted by the strategy, analytic, and read off the veth interface's
+tx counter), the communication fraction of the fp16 step (1 - compute-only / fp16 step, the compute-only
+step measured in one process with the same per-rank batch) and its Amdahl bound (fp16 step / compute-only
+step: the speedup if communication cost nothing).
+Quality does not depend on the link, so it is measured over loopback (2 ranks) after a fixed step budget:
+GPT validation loss, CNN test accuracy over 3 seeds, each with a no-error-feedback ablation.
+
+Needs root (``ip netns``, ``tc``); without it the link part is skipped with a message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch.strategies import DDPStrategy
+
+from benchmarks.common import RESULTS_DIR, machine_info, print_table, ratio, run_worker, write_results
+
+NS = ("bt_bench_a", "bt_bench_b")
+IFACES = ("bt_veth_a", "bt_veth_b")
+ADDRS = ("10.77.0.1", "10.77.0.2")
+
+#: method -> (description, how it is built in the worker)
+METHODS: dict[str, str] = {
+    "fp32": "dense fp32 all-reduce (Lightning DDP)",
+    "torch_fp16": "torch fp16_compress_hook",
+    "torch_powersgd": "torch powerSGD_hook, rank 4",
+    "fp16": "ours Cast('fp16')",
+    "powersgd": "ours PowerSGD(rank=4)",
+    "topk": "ours TopK(0.01)",
+    "onebit": "ours OneBit()",
+    "int8": "ours Quantize(8)",
+    "int4": "ours Quantize(4)",
+    "powersgd_noef": "ours PowerSGD(rank=4), no error feedback",
+    "topk_noef": "ours TopK(0.01), no error feedback",
+    "onebit_noef": "ours OneBit(), no error feedback",
+}
+
+
+def _compressor(method: str) -> Any:
+    from lightning_bigtrain.compression import Cast, OneBit, PowerSGD, Quantize, TopK
+
+    ef = False if method.endswith("_noef") else None
+    base = method.removesuffix("_noef")
+    return {
+        "fp16": lambda: Cast("fp16"),
+        "powersgd": lambda: PowerSGD(rank=4, error_feedback=ef),
+        "topk": lambda: TopK(0.01, error_feedback=ef),
+        "onebit": lambda: OneBit(error_feedback=ef),
+        "int8": lambda: Quantize(8),
+        "int4": lambda: Quantize(4),
+    }[base]()
+
+
+def _strategy(method: str) -> Any:
+    from lightning_bigtrain.strategies import CompressedDDPStrategy
+
+    if method == "fp32":
+        return DDPStrategy(start_method="popen")
+    if method.startswith("torch_"):
+        return _TorchHookDDP(method)
+    return CompressedDDPStrategy(_compressor(method))
+
+
+class _TorchHookDDP(DDPStrategy):
+    """Lightning DDP with one of torch's own comm hooks, registered on every device (the peer)."""
+
+    def __init__(self, method: str) -> None:
+        super().__init__()
+        self.method = method
+
+    def _register_ddp_hooks(self) -> None:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+        assert self.model is not None
+        if self.method == "torch_fp16":
+            self.model.register_comm_hook(None, default_hooks.fp16_compress_hook)  # type: ignore[operator]
+        else:
+            state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=4, start_powerSGD_iter=2)
+            self.model.register_comm_hook(state, psgd.powerSGD_hook)  # type: ignore[operator]
+
+
+def _build(model: str, quick: bool, seed: int = 0) -> tuple[Any, Any]:
+    from lightning_bigtrain.data import FashionMNISTDataModule, ShakespeareDataModule
+    from lightning_bigtrain.models import CharGPT, FashionCNN
+
+    if model == "cnn":
+        return FashionCNN(channels=(32, 64, 128)), FashionMNISTDataModule(batch_size=64, seed=seed)
+    data = ShakespeareDataModule(block_size=128, batch_size=4)
+    width, layers = (128, 2) if quick else (512, 8)  # 25.4M parameters
+    return CharGPT(vocab_size=data.vocab_size, block_size=128, n_layer=layers, n_head=8, n_embd=width), data
+
+
+def _tx_bytes(iface: str | None) -> int:
+    if not iface:
+        return 0
+    try:
+        return int(Path(f"/sys/class/net/{iface}/statistics/tx_bytes").read_text())
+    except OSError:
+        return 0
+
+
+def worker(mode: str, method: str, model: str, steps: int, warmup: int, seed: int, quick: bool, out: str) -> None:
+    import lightning as L
+    import torch
+
+    from benchmarks.common import set_flush_denormal
+
+    set_flush_denormal()
+    torch.set_num_threads(1)  # two ranks share two cores (in the link runs each is its own "node")
+    L.seed_everything(seed, verbose=False)
+    module, data = _build(model, quick, seed)
+    iface = os.environ.get("GLOO_SOCKET_IFNAME")
+    times: list[float] = []
+    marks: dict[str, Any] = {}
+
+    class Clock(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step == warmup:
+                marks["tx"] = _tx_bytes(iface)
+                engine = getattr(trainer.strategy, "compression_engine", None)
+                marks["sent"] = engine.sent_bytes if engine is not None else None
+                marks["dense"] = engine.dense_bytes if engine is not None else None
+            self.t0 = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            times.append(time.perf_counter() - self.t0)
+
+    common: dict[str, Any] = dict(
+        accelerator="cpu", max_steps=steps, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[Clock()],
+    )  # fmt: skip
+    if mode == "compute":
+        trainer = L.Trainer(devices=1, limit_val_batches=0, **common)
+    elif mode == "link":
+        trainer = L.Trainer(devices=1, num_nodes=2, strategy=_strategy(method), limit_val_batches=0, **common)
+    else:  # quality, over loopback
+        trainer = L.Trainer(devices=2, strategy=_strategy(method), limit_val_batches=0, **common)
+    trainer.fit(module, datamodule=data)
+    result: dict[str, Any] = {"step_s": statistics.median(times[warmup:]), "steps": len(times)}
+    engine = getattr(trainer.strategy, "compression_engine", None)
+    timed = steps - warmup
+    if "tx" in marks:
+        result["wire_bytes_per_step"] = (_tx_bytes(iface) - marks["tx"]) / timed
+    if engine is not None and marks.get("sent") is not None:
+        result["counted_bytes_per_step"] = (engine.sent_bytes - marks["sent"]) / timed
+        result["counted_dense_bytes_per_step"] = (engine.dense_bytes - marks["dense"]) / timed
+    if mode == "quality":
+        if model == "gpt":
+            metrics = trainer.validate(module, datamodule=data, verbose=False)
+            result["val_loss"] = metrics[0]["val_loss"]
+        else:
+            metrics = trainer.test(module, datamodule=data, verbose=False)
+            result["test_acc"] = metrics[0]["test_acc"]
+    result["params"] = sum(p.numel() for p in module.parameters())
+    if method not in ("fp32",) and not method.startswith("torch_"):
+        result["analytic_ratio"] = _analytic_ratio(module, _compressor(method))
+    if trainer.is_global_zero:
+        Path(out).write_text(json.dumps(result))
+
+
+def _analytic_ratio(module: Any, compressor: Any) -> float:
+    """fp32 all-reduce bytes / the compressor's bytes for this model at 2 ranks, from the formulas."""
+    from lightning_bigtrain.functional.compression import allreduce_bytes
+
+    dense = sent = 0.0
+    for p in module.parameters():
+        full = allreduce_bytes(p.numel() * 4, 2)
+        dense += full
+        sent += compressor.sent_bytes(p.shape, 4, 2) if compressor.compressible(p.shape) else full
+    return dense / sent
+
+
+# -- the link: two namespaces, a veth pair, tc tbf on both ends --
+def _sh(*cmd: str) -> None:
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+
+
+def link_available() -> str | None:
+    """None if namespaces can be made here, else why not."""
+    if os.geteuid() != 0:
+        return "not root: `ip netns` and `tc` need root"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"`{tool}` (iproute2) is not installed"
+    return None
+
+
+def link_up(rate: str) -> None:
+    link_down()
+    _sh("ip", "link", "add", IFACES[0], "type", "veth", "peer", "name", IFACES[1])
+    for ns, iface, addr in zip(NS, IFACES, ADDRS, strict=True):
+        _sh("ip", "netns", "add", ns)
+        _sh("ip", "link", "set", iface, "netns", ns)
+        _sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", iface)
+        _sh("ip", "-n", ns, "link", "set", iface, "up")
+        _sh("ip", "-n", ns, "link", "set", "lo", "up")
+    link_rate(rate)
+
+
+def link_rate(rate: str) -> None:
+    for ns, iface in zip(NS, IFACES, strict=True):
+        _sh("ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", iface, "root", "tbf", "rate", rate,
+            "burst", "256kb", "latency", "400ms")  # fmt: skip
+
+
+def link_down() -> None:
+    for ns in NS:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+    subprocess.run(["ip", "link", "del", IFACES[0]], capture_output=True)
+
+
+def run_on_link(args: list[str], port: int, timeout: float = 1800) -> dict[str, Any]:
+    """Rank 0 in namespace A, rank 1 in B, each a process of its own ("node"); returns rank 0's JSON."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        procs = []
+        for rank, (ns, iface) in enumerate(zip(NS, IFACES, strict=True)):
+            env = {**os.environ, "MASTER_ADDR": ADDRS[0], "MASTER_PORT": str(port), "NODE_RANK": str(rank),
+                   "LOCAL_RANK": "0", "WORLD_SIZE": "2", "GLOO_SOCKET_IFNAME": iface}  # fmt: skip
+            cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "benchmarks.compression", *args, "--out", str(out)]
+            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        logs = [p.communicate(timeout=timeout)[0] for p in procs]
+        if any(p.returncode for p in procs) or not out.exists():
+            tail = "\n".join(log[-3000:] for log in logs)
+            raise RuntimeError(f"link run {args} failed:\n{tail}")
+        return json.loads(out.read_text())
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a small GPT, few steps, one link (a smoke run)")
+    parser.add_argument("--links", nargs="+", default=None, help="tc rates, e.g. 100mbit 1gbit")
+    parser.add_argument("--skip-quality", action="store_true")
+    parser.add_argument("--skip-link", action="store_true")
+    parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--worker", choices=("compute", "link", "quality"), help=argparse.SUPPRESS)
+    parser.add_argument("--method", default="fp32", help=argparse.SUPPRESS)
+    parser.add_argument("--model", default="gpt", help=argparse.SUPPRESS)
+    parser.add_argument("--steps", type=int, default=8, help=argparse.SUPPRESS)
+    parser.add_argument("--warmup", type=int, default=3, help=argparse.SUPPRESS)
+    parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(args.worker, args.method, args.model, args.steps, args.warmup, args.seed, args.quick, args.out)
+        return {}
+
+    quick = args.quick
+    extra = ["--quick"] if quick else []
+    links = args.links or (["100mbit"] if quick else ["100mbit", "1gbit"])
+    link_methods = {
+        "gpt": ["fp32", "torch_fp16", "torch_powersgd", "fp16", "powersgd", "topk", "onebit", "int8", "int4"],
+        "cnn": ["fp32", "torch_fp16", "powersgd", "topk", "onebit", "int8"],
+    }
+    if quick:
+        link_methods = {"gpt": ["fp32", "torch_fp16", "powersgd", "topk"]}
+    steps = {"gpt": (6, 2) if quick else (10, 4), "cnn": (30, 10)}  # (total, warm-up)
+    figures: dict[str, Any] = {"links": {}, "quality": {}, "compute_step_s": {}}
+    rows: list[dict[str, Any]] = []
+
+    def worker_args(mode: str, method: str, model: str, total: int, warm: int, seed: int = 0) -> list[str]:
+        return ["--worker", mode, "--method", method, "--model", model, "--steps", str(total),
+                "--warmup", str(warm), "--seed", str(seed), *extra]  # fmt: skip
+
+    why_not = link_available()
+    if args.skip_link:
+        why_not = "skipped (--skip-link)"
+    if why_not is not None:
+        print(f"link benchmark skipped: {why_not}")
+        figures["links"] = {"skipped": why_not}
+    else:
+        for model in link_methods:
+            total, warm = steps[model]
+            compute = run_worker("benchmarks.compression", worker_args("compute", "fp32", model, total, warm))
+            figures["compute_step_s"][model] = compute["step_s"]
+        port = 29611
+        try:
+            for rate in links:
+                link_up(rate)
+                per_rate: dict[str, Any] = {}
+                for model, methods in link_methods.items():
+                    total, warm = steps[model]
+                    compute_s = figures["compute_step_s"][model]
+                    measured: dict[str, Any] = {}
+                    for method in methods:
+                        port += 1
+                        try:
+                            measured[method] = run_on_link(worker_args("link", method, model, total, warm), port)
+                        except RuntimeError as err:
+                            measured[method] = {"error": str(err)[-1500:]}
+                            print(f"{rate} {model} {method}: FAILED\n{str(err)[-1500:]}")
+                            continue
+                        print(f"{rate} {model} {method}: {measured[method]['step_s']:.3f} s/step", flush=True)
+                    fp16 = measured["torch_fp16"]["step_s"]
+                    fp32_wire = measured["fp32"].get("wire_bytes_per_step", 0.0)
+                    for method, r in measured.items():
+                        if "error" in r:
+                            rows.append({"link": rate, "model": model, "method": method, "step s": "failed"})
+                            continue
+                        r["speedup_vs_torch_fp16"] = ratio(fp16, r["step_s"])
+                        r["comm_fraction"] = max(0.0, 1 - compute_s / r["step_s"])
+                        if r.get("counted_bytes_per_step"):
+                            r["counted_ratio"] = r["counted_dense_bytes_per_step"] / r["counted_bytes_per_step"]
+                        if fp32_wire and r.get("wire_bytes_per_step"):
+                            r["wire_ratio_vs_fp32"] = fp32_wire / r["wire_bytes_per_step"]
+                        rows.append({
+                            "link": rate, "model": model, "method": method, "step s": r["step_s"],
+                            "vs fp16 hook": r["speedup_vs_torch_fp16"],
+                            "comm frac": r["comm_fraction"],
+                            "bytes ratio counted": r.get("counted_ratio", ""),
+                            "analytic": r.get("analytic_ratio", ""),
+                            "wire ratio": r.get("wire_ratio_vs_fp32", ""),
+                        })  # fmt: skip
+                    per_rate[model] = {
+                        "methods": measured,
+                        "torch_fp16_comm_fraction": max(0.0, 1 - compute_s / fp16),
+                        "amdahl_bound_vs_torch_fp16": fp16 / compute_s,
+                    }
+                figures["links"][rate] = per_rate
+        finally:
+            link_down()
+        print("\nStep time on the shaped link (2 namespaces, 1 rank each; medians over timed steps)")
+        link_table = print_table(rows, list(rows[0]))
+        figures["link_table"] = link_table
+        for rate, per_rate in figures["links"].items():
+            for model, f in per_rate.items():
+                print(f"{rate} {model}: fp16-hook comm fraction {f['torch_fp16_comm_fraction']:.2f}, "
+                      f"Amdahl bound {f['amdahl_bound_vs_torch_fp16']:.2f}x")  # fmt: skip
+
+    if not args.skip_quality:
+        quality_methods = ["fp32", "torch_fp16", "powersgd", "topk", "onebit", "int8", "int4",
+                           "powersgd_noef", "topk_noef", "onebit_noef"]  # fmt: skip
+        budgets = {"gpt": (8, 2) if quick else (60, 2), "cnn": (20, 2) if quick else (150, 2)}
+        seeds = {"gpt": [0], "cnn": [0] if quick else [0, 1, 2]}
+        qrows = []
+        for model in ("gpt", "cnn"):
+            total, warm = budgets[model]
+            per_method: dict[str, Any] = {}
+            for method in quality_methods:
+                values = []
+                for seed in seeds[model]:
+                    r = run_worker("benchmarks.compression", worker_args("quality", method, model, total, warm, seed))
+                    values.append(r["val_loss" if model == "gpt" else "test_acc"])
+                per_method[method] = {"values": values, "mean": statistics.fmean(values)}
+                print(f"quality {model} {method}: {values}", flush=True)
+            dense = per_method["fp32"]["mean"]
+            for method, v in per_method.items():
+                if model == "gpt":
+                    v["rel_val_loss_vs_fp32"] = v["mean"] / dense - 1
+                    gap = f"{100 * v['rel_val_loss_vs_fp32']:+.2f}%"
+                else:
+                    v["acc_points_vs_fp32"] = 100 * (v["mean"] - dense)
+                    gap = f"{v['acc_points_vs_fp32']:+.2f} pts"
+                qrows.append({"model": model, "method": method, "steps": total,
+                              "metric": "val loss" if model == "gpt" else "test acc",
+                              "mean": v["mean"], "vs fp32": gap,
+                              "spread": max(v["values"]) - min(v["values"])})  # fmt: skip
+            figures["quality"][model] = {"steps": total, "seeds": seeds[model], "methods": per_method}
+        print("\nQuality after a fixed step budget (loopback, 2 ranks)")
+        figures["quality_table"] = print_table(qrows, list(qrows[0]))
+
+    headline_parts = []
+    for rate, per_rate in figures["links"].items() if isinstance(figures["links"], dict) else []:
+        if isinstance(per_rate, dict) and "gpt" in per_rate:
+            best = max((m for m, r in per_rate["gpt"]["methods"].items() if "speedup_vs_torch_fp16" in r),
+                       key=lambda m: per_rate["gpt"]["methods"][m]["speedup_vs_torch_fp16"])  # fmt: skip
+            headline_parts.append(f"{rate}: {best} {per_rate['gpt']['methods'][best]['speedup_vs_torch_fp16']:.2f}x "
+                                  "the fp16 hook")  # fmt: skip
+    payload = {"config": {"quick": quick, "links": links, "steps": steps}, "machine": machine_info(),
+               "figures": figures}  # fmt: skip
+    path = write_results("compression", payload, "GPT step: " + "; ".join(headline_parts), args.results_dir)
+    print(f"wrote {path}")
+    return figures
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
