@@ -54,6 +54,8 @@ METHODS: dict[str, str] = {
     "powersgd_noef": "ours PowerSGD(rank=4), no error feedback",
     "topk_noef": "ours TopK(0.01), no error feedback",
     "onebit_noef": "ours OneBit(), no error feedback",
+    "powersgd_warm": "ours PowerSGD(rank=4), first 10 steps dense",
+    "topk_warm": "ours TopK(0.01), first 10 steps dense",
 }
 
 
@@ -61,11 +63,12 @@ def _compressor(method: str) -> Any:
     from lightning_bigtrain.compression import Cast, OneBit, PowerSGD, Quantize, TopK
 
     ef = False if method.endswith("_noef") else None
-    base = method.removesuffix("_noef")
+    warm = 10 if method.endswith("_warm") else 0
+    base = method.removesuffix("_noef").removesuffix("_warm")
     return {
         "fp16": lambda: Cast("fp16"),
-        "powersgd": lambda: PowerSGD(rank=4, error_feedback=ef),
-        "topk": lambda: TopK(0.01, error_feedback=ef),
+        "powersgd": lambda: PowerSGD(rank=4, error_feedback=ef, warmup_steps=warm),
+        "topk": lambda: TopK(0.01, error_feedback=ef, warmup_steps=warm),
         "onebit": lambda: OneBit(error_feedback=ef),
         "int8": lambda: Quantize(8),
         "int4": lambda: Quantize(4),
@@ -290,9 +293,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "--warmup", str(warm), "--seed", str(seed), *extra]  # fmt: skip
 
     why_not = link_available()
-    if args.skip_link:
+    previous = args.results_dir / "compression.json"
+    if args.skip_link and previous.exists():
+        # Keep the link figures of the last full run; only the quality runs are redone.
+        kept = json.loads(previous.read_text())["figures"]
+        for key in ("links", "link_table", "compute_step_s"):
+            if key in kept:
+                figures[key] = kept[key]
+        print(f"link benchmark skipped (--skip-link); link figures kept from {previous}")
+    elif args.skip_link:
         why_not = "skipped (--skip-link)"
-    if why_not is not None:
+    if args.skip_link and "link_table" in figures:
+        pass
+    elif why_not is not None:
         print(f"link benchmark skipped: {why_not}")
         figures["links"] = {"skipped": why_not}
     else:
@@ -386,10 +399,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     write("link")
     if not args.skip_quality:
         quality_methods = {
-            "gpt": ["fp32", "torch_fp16", "powersgd", "topk", "onebit", "int8", "int4", "powersgd_noef", "topk_noef"],
+            "gpt": [
+                "fp32",
+                "torch_fp16",
+                "powersgd",
+                "topk",
+                "onebit",
+                "int8",
+                "int4",
+                "powersgd_warm",
+                "topk_warm",
+                "powersgd_noef",
+                "topk_noef",
+            ],
             "cnn": ["fp32", "torch_fp16", "powersgd", "topk", "onebit", "int8", "topk_noef"],
         }
-        budgets = {"gpt": (8, 2) if quick else (40, 2), "cnn": (20, 2) if quick else (150, 2)}
+        budgets = {"gpt": (8, 2) if quick else (100, 2), "cnn": (20, 2) if quick else (150, 2)}
         seeds = {"gpt": [0], "cnn": [0] if quick else [0, 1, 2]}
         qrows = []
         for model in ("gpt", "cnn"):

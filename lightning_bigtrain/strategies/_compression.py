@@ -16,12 +16,12 @@ from lightning_bigtrain.functional.compression import (
     Quantize,
     TopK,
 )
-from lightning_bigtrain.warnings import BigtrainWarning, warn_once
+from lightning_bigtrain.warnings import BigtrainWarning, NoEffectWarning, warn_once
 
 if TYPE_CHECKING:
     from lightning.pytorch.strategies import ParallelStrategy as Strategy
 
-__all__ = ["CHECKPOINT_KEY", "COMPRESSION_NAMES", "CompressionSupport", "resolve_compression"]
+__all__ = ["CHECKPOINT_KEY", "COMPRESSION_NAMES", "CompressionSupport", "compression_applies", "resolve_compression"]
 
 CHECKPOINT_KEY = "bigtrain_compression"
 
@@ -48,6 +48,35 @@ def resolve_compression(value: Compressor | str | None, owner: str) -> Compresso
         "lightning_bigtrain.compression (PowerSGD, TopK, OneBit, Quantize, Cast) or one of "
         f"{', '.join(repr(k) for k in COMPRESSION_NAMES)}."
     )
+
+
+def compression_applies(compressor: Compressor, module: torch.nn.Module, world_size: int, owner: str) -> bool:
+    """Whether ``compressor`` can act in this run; if not, warn (:class:`NoEffectWarning`) and say why.
+
+    It cannot with a single process (nothing is exchanged; compressing would only add error), nor as a
+    ``Cast`` when the trainable parameters, hence their gradients, are 16-bit already (``"16-true"`` or
+    ``"bf16-true"`` precision): the exchange then sends the same bytes, and fp16 <-> bf16 only loses range
+    or mantissa. In both cases the strategy exchanges gradients as it would without compression.
+    """
+    if world_size < 2:
+        warn_once(
+            f"`{owner}(compression={compressor!r})` has no effect in a single process: no gradients are "
+            "exchanged, so none are compressed. It acts with devices * num_nodes >= 2.",
+            NoEffectWarning,
+        )
+        return False
+    if isinstance(compressor, Cast):
+        dtypes = {p.dtype for p in module.parameters() if p.requires_grad and p.is_floating_point()}
+        if dtypes and all(d.itemsize <= 2 for d in dtypes):
+            names = ", ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
+            warn_once(
+                f"`{owner}(compression={compressor!r})` has no effect: the gradients are {names} already "
+                "(a 16-bit 'true' precision), so they are exchanged as they are. Cast acts with "
+                "precision='32-true' or a '-mixed' precision, whose gradients are fp32.",
+                NoEffectWarning,
+            )
+            return False
+    return True
 
 
 class CompressionSupport:

@@ -14,6 +14,7 @@ from lightning_bigtrain.functional.compression import Compressor, GradientCompre
 from lightning_bigtrain.strategies._compression import (
     CHECKPOINT_KEY,
     CompressionSupport,
+    compression_applies,
     resolve_compression,
 )
 
@@ -117,6 +118,8 @@ class CompressedDDPStrategy(DDPStrategy):
 
     def _register_ddp_hooks(self) -> None:
         assert isinstance(self.model, DistributedDataParallel)
+        if not compression_applies(self.compression, self.model.module, self.world_size, "CompressedDDPStrategy"):
+            return  # dense DDP, with the reason warned
         engine = GradientCompression(self.compression, self.model.module)
         self.model.register_comm_hook(engine, _compressed_hook)
         self._support.attach(engine, self.global_rank)

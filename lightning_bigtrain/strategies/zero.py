@@ -30,7 +30,12 @@ from lightning_bigtrain.functional.sharding import (
     is_fully_sharded,
     shard_module_,
 )
-from lightning_bigtrain.strategies._compression import CHECKPOINT_KEY, CompressionSupport, resolve_compression
+from lightning_bigtrain.strategies._compression import (
+    CHECKPOINT_KEY,
+    CompressionSupport,
+    compression_applies,
+    resolve_compression,
+)
 from lightning_bigtrain.warnings import NoEffectWarning, warn_once
 
 if TYPE_CHECKING:
@@ -190,6 +195,7 @@ class ZeroStrategy(ModelParallelStrategy):
         self.min_wrap_params = min_wrap_params
         self.options = options
         self.compression = compressor
+        self._compression_active = False
         self._compression = CompressionSupport(compressor) if compressor is not None and stage == 1 else None
         self._rng_seed: int | None = None
         self._fsdp_comm: CommCounter | None = None
@@ -257,6 +263,7 @@ class ZeroStrategy(ModelParallelStrategy):
         if not is_fully_sharded(self.model):
             # Not sharded by the user's configure_model, nor by an earlier validate/fit: shard here.
             self.model = self.precision_plugin.convert_module(self.model)
+            self._check_compression()
             self.model_to_device()
             shard_module_(
                 self.model,
@@ -291,6 +298,7 @@ class ZeroStrategy(ModelParallelStrategy):
                 f"fully_shard; stage {self.stage} keeps parameters replicated. Use stage=3 with this model."
             )
         self.model = self.precision_plugin.convert_module(self.model)
+        self._check_compression()
         self.model_to_device()
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -298,10 +306,10 @@ class ZeroStrategy(ModelParallelStrategy):
             mesh = self.device_mesh["data_parallel"]
             wrapped: list[torch.optim.Optimizer] = []
             engine = None
-            if self._compression is not None:
+            if self._compression is not None and self._compression_active:
                 engine = GradientCompression(self._compression.compressor, self.model, mesh.get_group())
                 self._compression.attach(engine, self.global_rank)
-            reduce_dtype = _CAST_DTYPES[self.compression.dtype] if isinstance(self.compression, Cast) else None
+            reduce_dtype = self._reduce_dtype()
             for optimizer in self.optimizers:
                 flat = FlatShardedOptimizer(
                     optimizer,
@@ -439,11 +447,24 @@ class ZeroStrategy(ModelParallelStrategy):
         if not (self.offload_optimizer and self.root_device.type != "cpu" and is_fully_sharded(self.model)):
             self.model.to(self.root_device)
 
+    def _check_compression(self) -> None:
+        """Decide once, on the converted model, whether ``compression`` acts (warns when it cannot)."""
+        assert self.model is not None
+        self._compression_active = self.compression is not None and compression_applies(
+            self.compression, self.model, self.world_size, f"ZeroStrategy(stage={self.stage})"
+        )
+
+    def _reduce_dtype(self) -> torch.dtype | None:
+        """The dtype gradients are reduced in when ``compression`` is an active ``Cast``, else None."""
+        if isinstance(self.compression, Cast) and self._compression_active:
+            return _CAST_DTYPES[self.compression.dtype]
+        return None
+
     def _mp_policy(self) -> Any:
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         plugin = self.precision_plugin
-        reduce_dtype = _CAST_DTYPES[self.compression.dtype] if isinstance(self.compression, Cast) else None
+        reduce_dtype = self._reduce_dtype()
         if isinstance(plugin, MixedPrecision) and plugin.precision == "bf16-mixed":
             # bf16 compute and communication of parameters; gradients reduced (unless compressed) and stored in fp32.
             return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype or torch.float32)

@@ -1,0 +1,73 @@
+"""Compression that cannot act in a run says so (NoEffectWarning) and the run exchanges gradients densely."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_bigtrain.data import ShakespeareDataModule
+from lightning_bigtrain.models import CharGPT
+from lightning_bigtrain.strategies import CompressedDDPStrategy, ZeroStrategy
+from lightning_bigtrain.warnings import NoEffectWarning
+from tests.helpers.distributed import run_on_ranks
+
+pytestmark = pytest.mark.integration
+
+
+class _GradDtypes(L.Callback):
+    def __init__(self) -> None:
+        self.reduced: set[torch.dtype] = set()
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.reduced |= {p.grad.dtype for g in optimizer.param_groups for p in g["params"] if p.grad is not None}
+
+
+def _fit(rank: int, kind: str, precision: str) -> dict[str, Any]:
+    L.seed_everything(0, verbose=False)
+    devices = 1 if kind == "ddp_single" else 2
+    strategy: Any
+    if kind == "ddp_single":
+        strategy = CompressedDDPStrategy("powersgd", start_method="popen")
+    elif kind == "ddp_cast":
+        strategy = CompressedDDPStrategy("fp16", start_method="popen")
+    else:
+        strategy = ZeroStrategy(stage=int(kind[-1]), compression="fp16", min_wrap_params=1000)
+    dtypes = _GradDtypes()
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, precision=precision, max_steps=2,
+                        limit_val_batches=0, enable_checkpointing=False, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[dtypes])  # fmt: skip
+    model = CharGPT(block_size=16, n_layer=1, n_head=2, n_embd=32, warmup_steps=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, datamodule=ShakespeareDataModule(block_size=16, batch_size=4, subset=64))
+    return {
+        "warned": [str(w.message) for w in caught if issubclass(w.category, NoEffectWarning)],
+        "engine": trainer.strategy.compression_engine is not None,
+        "grads": sorted(str(d) for d in dtypes.reduced),
+        "finite": all(torch.isfinite(p).all().item() for p in model.parameters()),
+    }
+
+
+def test_single_process_compression_warns_and_trains_densely():
+    r = run_on_ranks(_fit, "ddp_single", "32-true", world_size=1, init_process_group=False)[0]
+    assert any("has no effect in a single process" in m for m in r["warned"]), r["warned"]
+    assert not r["engine"] and r["finite"]
+
+
+@pytest.mark.parametrize("kind", ["ddp_cast", "zero2", "zero3"])
+def test_cast_of_gradients_that_are_16_bit_already_warns(kind):
+    results = run_on_ranks(_fit, kind, "bf16-true", init_process_group=False)
+    # Rank 0 warns; every rank trains on, its gradients exchanged as they are (bf16, not cast to fp16).
+    assert any("the gradients are bfloat16 already" in m for m in results[0]["warned"]), results[0]["warned"]
+    for r in results:
+        assert not r["engine"] and r["finite"]
+        assert r["grads"] == ["torch.bfloat16"]
+
+
+def test_cast_with_fp32_gradients_acts_without_warning():
+    for r in run_on_ranks(_fit, "zero2", "32-true", init_process_group=False):
+        assert not r["warned"]
