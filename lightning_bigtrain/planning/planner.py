@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import re
 import warnings
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -240,21 +241,81 @@ def _gib(value: float) -> str:
     return f"{value / 2**30:.2f}"
 
 
+class _Lifetimes:
+    """Live bytes of every storage the fake forward and backward create, in the order ops create and free them.
+
+    Fake tensors keep their Python object for as long as the tensor lives (also when only autograd holds
+    it), so a finalizer per tensor tells when its storage is released. Events name storages by a serial
+    number: a released storage's ``id`` can be reused by a later one.
+    """
+
+    def __init__(self, ignore: set[int]) -> None:
+        self.ignore = ignore  # parameter and buffer storages (model states)
+        self.entries: dict[int, list[Any]] = {}  # id(storage) -> [storage, bytes, live tensors, serial]
+        self.events: list[tuple[int, float]] = []  # (serial, +bytes created / -bytes released)
+
+    def track(self, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        key = id(storage)
+        if key in self.ignore:
+            return
+        entry = self.entries.get(key)
+        if entry is None:
+            entry = self.entries[key] = [storage, float(storage.nbytes()), 0, len(self.events)]
+            self.events.append((entry[3], entry[1]))
+        entry[2] += 1
+        weakref.finalize(t, self._release, key)
+
+    def _release(self, key: int) -> None:
+        entry = self.entries[key]
+        entry[2] -= 1
+        if entry[2] == 0:
+            self.events.append((entry[3], -entry[1]))
+            del self.entries[key]
+
+    def serial(self, t: torch.Tensor) -> int | None:
+        """The serial of a live tensor's storage (None if not tracked)."""
+        entry = self.entries.get(id(t.untyped_storage()))
+        return None if entry is None else int(entry[3])
+
+    def peak(self, exclude: set[int | None]) -> float:
+        """Highest live total, not counting the storages whose serials are in ``exclude``."""
+        live = peak = 0.0
+        for serial, delta in self.events:
+            if serial not in exclude:
+                live += delta
+                peak = max(peak, live)
+        return peak
+
+
 def measure_activations(
     model: nn.Module, example: torch.Tensor, *, checkpoint_blocks: Sequence[nn.Module] = ()
-) -> tuple[float, float]:
+) -> tuple[float, float, float]:
     """Bytes the forward pass saves for backward (activations), measured on fake tensors: without and
     with activation checkpointing of ``checkpoint_blocks`` (each block then keeps only its input, and the
-    largest block's activations are live again while it is recomputed in backward).
+    largest block's activations are live again while it is recomputed in backward); and the working set:
+    the most bytes live at once during forward and backward (saved activations still held, gradients of
+    activations, temporaries), parameter gradients excluded since they are model states.
 
     Parameters are not counted (they are model states). Raises on models that cannot run on fake tensors.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
 
     saved: dict[int, int] = {}
     param_storages: set[int] = set()
     per_block: list[float] = []
     block_inputs: list[float] = []
+    lifetimes = _Lifetimes(param_storages)
+
+    class Track(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    lifetimes.track(t)
+            return out
 
     def storage_key(t: torch.Tensor) -> int:
         # The storage object is cached on the tensor, and pack() keeps every saved tensor alive.
@@ -285,21 +346,26 @@ def measure_activations(
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:
             params = {n: mode.from_tensor(p).requires_grad_(p.requires_grad) for n, p in model.named_parameters()}
             buffers = {n: mode.from_tensor(b) for n, b in model.named_buffers()}
-            for p in params.values():
-                param_storages.add(storage_key(p))
+            for t in (*params.values(), *buffers.values()):
+                param_storages.add(storage_key(t))
             x = mode.from_tensor(example)
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                out = torch.func.functional_call(model, {**params, **buffers}, (x,))
-            loss = (out if isinstance(out, torch.Tensor) else out[0]).float().mean()
-            loss.backward()
+            with Track():
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    out = torch.func.functional_call(model, {**params, **buffers}, (x,))
+                loss = (out if isinstance(out, torch.Tensor) else out[0]).float().mean()
+                del out
+                loss.backward()
+                del loss
+            grads = {lifetimes.serial(p.grad) for p in params.values() if p.grad is not None}
+            working = lifetimes.peak(exclude=grads)
     finally:
         for h in hooks:
             h.remove()
     plain = total()
     if not checkpoint_blocks or not per_block:
-        return plain, plain
+        return plain, plain, max(working, plain)
     checkpointed = plain - sum(per_block) + sum(block_inputs) + max(per_block)
-    return plain, checkpointed
+    return plain, checkpointed, max(working, plain)
 
 
 def _repeated_blocks(model: nn.Module) -> list[nn.Module]:
@@ -370,6 +436,7 @@ def plan(
     notes: list[str] = []
 
     activations = 0.0
+    backward_extra = 0.0  # the working set of backward above the saved activations
     if isinstance(model_or_num_params, nn.Module):
         model = model_or_num_params
         params = [p for p in model.parameters()]
@@ -380,10 +447,12 @@ def plan(
         if batch_shape is not None:
             example = torch.zeros(tuple(batch_shape), dtype=input_dtype)
             try:
-                plain, checkpointed = measure_activations(model, example, checkpoint_blocks=blocks)
+                plain, checkpointed, working = measure_activations(model, example, checkpoint_blocks=blocks)
                 activations = checkpointed if activation_checkpointing else plain
+                backward_extra = working - plain
                 if precision.startswith(("16", "bf16", "bigtrain-bf16")):
                     activations /= 2  # measured in fp32; 16-bit compute halves the saved tensors
+                    backward_extra /= 2
             except Exception as err:  # any failure to trace falls back to counting
                 warnings.warn(
                     f"plan: could not run {type(model).__name__} on fake tensors ({type(err).__name__}: {err}); "
@@ -434,7 +503,9 @@ def plan(
             seconds += ring_seconds(fsdp_numel_train * g_bytes, units, 1)
             shard = fsdp_numel / n
             p_dev, g_dev, s_dev = shard * p_bytes, shard * g_bytes, shard * state_per_param
-            transient = 2 * largest_unit * p_bytes  # the gathered unit and the prefetched next one
+            # The gathered unit and the prefetched next one; in backward also the unit's unsharded gradients
+            # until they are reduce-scattered.
+            transient = 2 * largest_unit * p_bytes + largest_unit * g_bytes
             if name == "zero2_offload":
                 transient = psi * p_bytes  # parameters stay gathered from forward to backward
         elif stage == 0:
@@ -450,6 +521,7 @@ def plan(
             g_dev = psi_train * g_bytes if stage == 1 else share * g_bytes
             s_dev = share * state_per_param
             transient = 0.0 if stage == 1 else min(_BUCKET_BYTES, psi_train * g_bytes)  # one staging bucket
+        transient += backward_extra
         host_bytes = 0.0
         offload_seconds = 0.0
         if offload:

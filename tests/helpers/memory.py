@@ -1,0 +1,71 @@
+"""Live tensor bytes on CPU over a run, from the profiler's allocation events (the c10 CPU allocator's).
+
+The profiler records every allocation and release on the thread that runs it (here: forward, backward,
+the optimizer step, and the collectives' buffers that the main thread allocates). Marks are allocations of
+distinct odd sizes, so that they can be found in the event stream without relying on clocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+__all__ = ["AllocationTimeline"]
+
+_MARK_BASE = 100_003
+
+
+def _walk(nodes: list[Any]) -> Iterator[Any]:
+    for node in nodes:
+        yield node
+        yield from _walk(node.children)
+
+
+class AllocationTimeline:
+    """Use as a context manager around the run; call :meth:`mark` at points of interest inside it."""
+
+    def __init__(self) -> None:
+        self._names: list[str] = []
+        self._profiler: Any = None
+
+    def __enter__(self) -> AllocationTimeline:
+        from torch.profiler import ProfilerActivity, profile
+
+        self._profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self._profiler.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._profiler.__exit__(*exc)
+
+    def mark(self, name: str) -> None:
+        if name not in self._names:
+            self._names.append(name)
+        torch.empty(_MARK_BASE + 2 * self._names.index(name), dtype=torch.uint8)
+
+    def live_bytes(self) -> tuple[dict[str, float], dict[str, float]]:
+        """Bytes allocated since the start and still live: at each mark (its last occurrence) and the highest
+        value between a mark and the next one (over all its occurrences), marks themselves excluded."""
+        from torch._C._profiler import _EventType
+
+        events = [n for n in _walk(self._profiler.profiler.kineto_results.experimental_event_tree())
+                  if n.tag == _EventType.Allocation]  # fmt: skip
+        events.sort(key=lambda n: n.start_time_ns)
+        sizes = {_MARK_BASE + 2 * i: name for i, name in enumerate(self._names)}
+        live = 0.0
+        at: dict[str, float] = {}
+        peak: dict[str, float] = {}
+        phase = None
+        for node in events:
+            size = node.extra_fields.alloc_size
+            if abs(size) in sizes:
+                if size > 0:
+                    phase = sizes[size]
+                    at[phase] = live
+                continue
+            live += size
+            if phase is not None:
+                peak[phase] = max(peak.get(phase, live), live)
+        return at, peak
