@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import lightning as L
+import torch
 
-from lightning_bigtrain.callbacks import RunReport
+from lightning_bigtrain.callbacks import DistillationOptions, KnowledgeDistillation, RunReport
 from lightning_bigtrain.compression import Cast, OneBit, PowerSGD, Quantize, TopK
 from lightning_bigtrain.data import FashionMNISTDataModule, ShakespeareDataModule
 from lightning_bigtrain.models import CharGPT, FashionCNN
@@ -75,6 +76,25 @@ def _tiny_gpt_dropout() -> CharGPT:
 
 def _tiny_shakespeare() -> ShakespeareDataModule:
     return ShakespeareDataModule(block_size=32, batch_size=8, subset=48)
+
+
+def _teacher(build: Callable[[], L.LightningModule]) -> L.LightningModule:
+    """A teacher with the same weights on every rank (its own seed, the global RNG left as it was)."""
+    with torch.random.fork_rng():
+        torch.manual_seed(1234)
+        return build()
+
+
+def _kd_cnn() -> dict[str, Any]:
+    teacher = _teacher(lambda: FashionCNN(channels=(16, 32)))
+    kd = KnowledgeDistillation(teacher, temperature=3.0, alpha=0.7, features={"features.5": "features.5"},
+                               options=DistillationOptions(alpha_end=0.3))  # fmt: skip
+    return {"strategy": "ddp", "callbacks": [kd]}
+
+
+def _kd_zero3_gpt() -> dict[str, Any]:
+    teacher = _teacher(lambda: CharGPT(block_size=32, n_layer=2, n_head=2, n_embd=48))
+    return {"strategy": ZeroStrategy(stage=3, min_wrap_params=1000), "callbacks": [KnowledgeDistillation(teacher)]}
 
 
 def _ddp_with_report() -> dict[str, Any]:
@@ -194,6 +214,28 @@ SETTINGS: tuple[Setting, ...] = (
             trainer_kwargs=lambda: {"strategy": ZeroStrategy(stage=1, min_wrap_params=1000, compression=OneBit())}),
     Setting(name="zero2_fp16_cnn", model=_tiny_cnn, data=_tiny_fashion,
             trainer_kwargs=lambda: {"strategy": ZeroStrategy(stage=2, min_wrap_params=1000, compression="fp16")}),
+    # Knowledge distillation: logit KD with an annealed alpha and a FitNets hint (its projection is trained and
+    # checkpointed), and a teacher sharded with the student under ZeRO-3.
+    Setting(
+        name="kd_features_cnn",
+        model=_tiny_cnn,
+        data=_tiny_fashion,
+        trainer_kwargs=_kd_cnn,
+        bad_inputs=(
+            BadInput("temperature", lambda: KnowledgeDistillation(FashionCNN(), temperature=0), ValueError,
+                     r"`KnowledgeDistillation\(temperature=0\)`: temperature must be > 0"),
+            BadInput("alpha", lambda: KnowledgeDistillation(FashionCNN(), alpha=1.5), ValueError,
+                     r"`KnowledgeDistillation\(alpha=1.5\)`: must be in \[0, 1\]"),
+            BadInput("alpha_end",
+                     lambda: KnowledgeDistillation(FashionCNN(), options=DistillationOptions(alpha_end=-1)),
+                     ValueError, r"alpha_end=-1\)`: must be in \[0, 1\]"),
+            BadInput("teacher_type", lambda: KnowledgeDistillation(3), TypeError,  # type: ignore[arg-type]
+                     r"`KnowledgeDistillation\(teacher=int\)`: pass an nn.Module"),
+            BadInput("features_and_cache", lambda: KnowledgeDistillation(FashionCNN(), features={"a": "b"}, cache="x"),
+                     ValueError, r"the cache stores logits only"),
+        ),
+    ),
+    Setting(name="kd_zero3_gpt", model=_tiny_gpt, data=_tiny_shakespeare, trainer_kwargs=_kd_zero3_gpt),
 )  # fmt: skip
 
 

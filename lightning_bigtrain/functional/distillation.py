@@ -1,0 +1,251 @@
+"""Knowledge distillation on tensors: logit KD (full or from top-k teacher logits), feature hints, agreement.
+
+Formulas:
+
+- Logit KD (Hinton, Vinyals & Dean, "Distilling the Knowledge in a Neural Network", 2015): the KL divergence
+  from the teacher's to the student's class distribution, both softened by a temperature ``T``, scaled by
+  ``T**2`` so that its gradients keep their size as ``T`` changes:
+  ``T^2 * sum_c p_t(c) * (log p_t(c) - log p_s(c))`` with ``p = softmax(logits / T)``, averaged over rows.
+- From top-k teacher logits: the teacher distribution is approximated by the softmax of its ``k`` largest
+  logits (renormalized over them; the tail's mass is taken as zero), the student's log-probabilities stay
+  normalized over every class. Exact when ``k`` is the number of classes; otherwise it ignores the
+  teacher's tail, whose mass ``1 - sum_topk p_t`` bounds what is lost (the "dark knowledge" in the tail
+  shrinks with ``T``).
+- Feature hints (Romero et al., "FitNets: Hints for Thin Deep Nets", ICLR 2015): the mean squared error
+  between a student layer's output, projected to the teacher's width by a learned map, and the teacher's.
+
+Rows are every position but the last (class) dimension: ``(batch, classes)`` for classifiers,
+``(batch, time, vocabulary)`` for language models.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = [
+    "LogitCache",
+    "agreement",
+    "feature_loss",
+    "kd_loss",
+    "make_projection",
+    "module_fingerprint",
+    "sample_keys",
+    "topk_kd_loss",
+    "topk_logits",
+]
+
+
+def _check_temperature(temperature: float) -> None:
+    if not temperature > 0:
+        raise ValueError(f"`temperature={temperature}` must be > 0 (1 is the plain softmax; 2-4 is usual for KD).")
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, t.shape[-1])
+
+
+def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 2.0) -> torch.Tensor:
+    """Hinton et al. (2015): ``T^2 * KL(softmax(teacher / T) || softmax(student / T))``, mean over rows.
+
+    Args:
+        student_logits: Logits, classes last (any leading shape).
+        teacher_logits: Logits of the same shape.
+        temperature: Softening temperature ``T`` > 0.
+    """
+    _check_temperature(temperature)
+    if student_logits.shape != teacher_logits.shape:
+        raise ValueError(
+            f"kd_loss: the teacher's logits have shape {tuple(teacher_logits.shape)}, the student's "
+            f"{tuple(student_logits.shape)}; they must match (same classes, same positions)."
+        )
+    s = F.log_softmax(_rows(student_logits).float() / temperature, dim=-1)
+    t = F.log_softmax(_rows(teacher_logits).float() / temperature, dim=-1)
+    return F.kl_div(s, t, log_target=True, reduction="batchmean") * temperature**2
+
+
+def topk_logits(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` largest logits along the last dimension and their class indices (values, indices)."""
+    if k < 1:
+        raise ValueError(f"top-k logits: `k={k}` must be >= 1.")
+    values, indices = logits.topk(min(k, logits.shape[-1]), dim=-1)
+    return values, indices
+
+
+def topk_kd_loss(
+    student_logits: torch.Tensor, teacher_values: torch.Tensor, teacher_indices: torch.Tensor, temperature: float = 2.0
+) -> torch.Tensor:
+    """Logit KD from the teacher's top-k logits only (see the module docstring for the approximation).
+
+    Args:
+        student_logits: Logits, classes last: ``(..., classes)``.
+        teacher_values: The teacher's ``k`` largest logits per row: ``(..., k)``.
+        teacher_indices: Their class indices: ``(..., k)``.
+        temperature: Softening temperature ``T`` > 0.
+    """
+    _check_temperature(temperature)
+    if teacher_values.shape[:-1] != student_logits.shape[:-1] or teacher_values.shape != teacher_indices.shape:
+        raise ValueError(
+            f"topk_kd_loss: teacher top-k values {tuple(teacher_values.shape)} and indices "
+            f"{tuple(teacher_indices.shape)} must share the student's leading shape {tuple(student_logits.shape[:-1])}."
+        )
+    log_s = F.log_softmax(_rows(student_logits).float() / temperature, dim=-1)
+    log_q = F.log_softmax(_rows(teacher_values).float() / temperature, dim=-1)
+    picked = log_s.gather(-1, _rows(teacher_indices).long())
+    return (log_q.exp() * (log_q - picked)).sum(-1).mean() * temperature**2
+
+
+def agreement(student_logits: torch.Tensor, teacher_logits_or_top1: torch.Tensor) -> torch.Tensor:
+    """Fraction of rows where the student's top class is the teacher's (given as logits or as top-1 indices)."""
+    s = student_logits.argmax(-1)
+    t = teacher_logits_or_top1
+    if t.dim() == student_logits.dim():
+        t = t.argmax(-1)
+    return (s == t).float().mean()
+
+
+def make_projection(student_width: int, teacher_width: int, *, conv: bool) -> nn.Module:
+    """The learned map of a FitNets hint: identity when widths agree, else a bias-free 1x1 convolution
+    (channels of ``(N, C, H, W)`` maps) or linear layer (last dimension)."""
+    if student_width == teacher_width:
+        return nn.Identity()
+    if conv:
+        return nn.Conv2d(student_width, teacher_width, kernel_size=1, bias=False)
+    return nn.Linear(student_width, teacher_width, bias=False)
+
+
+def feature_loss(student_feature: torch.Tensor, teacher_feature: torch.Tensor, projection: nn.Module) -> torch.Tensor:
+    """FitNets hint: ``mse(projection(student_feature), teacher_feature)``."""
+    projected = projection(student_feature)
+    if projected.shape != teacher_feature.shape:
+        raise ValueError(
+            f"feature distillation: the projected student feature has shape {tuple(projected.shape)}, the "
+            f"teacher's {tuple(teacher_feature.shape)}; pair layers whose outputs differ only in width "
+            "(channels or last dimension)."
+        )
+    return F.mse_loss(projected.float(), teacher_feature.float())
+
+
+def sample_keys(inputs: torch.Tensor) -> list[bytes]:
+    """A 16-byte content digest of each sample (row along the first dimension) of ``inputs``."""
+    import hashlib
+
+    rows = inputs.detach().reshape(inputs.shape[0], -1).contiguous().cpu()
+    raw = rows.view(torch.uint8).numpy() if rows.dtype != torch.bool else rows.to(torch.uint8).numpy()
+    return [hashlib.blake2b(r.tobytes(), digest_size=16).digest() for r in raw]
+
+
+def module_fingerprint(module: nn.Module) -> str:
+    """A digest of a module's parameters and buffers (names, shapes, dtypes, values): same weights, same print."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, t in sorted(module.state_dict().items()):
+        if not isinstance(t, torch.Tensor):
+            continue
+        t = t.detach().cpu().contiguous()
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()[:32]
+
+
+class LogitCache:
+    """Teacher top-k logits (values in fp16, class indices) per input sample, addressed by the sample's content.
+
+    Content addressing makes the cache valid across epochs, shuffles and runs on the same data, and makes
+    inputs it has not seen (new data, random augmentation) misses rather than wrong answers. The file
+    records the teacher's fingerprint; :meth:`load` refuses a file written for another teacher.
+
+    Args:
+        teacher_fingerprint: :func:`module_fingerprint` of the teacher.
+        k: Logits kept per position.
+    """
+
+    FORMAT = 1
+
+    def __init__(self, teacher_fingerprint: str, k: int) -> None:
+        if k < 1:
+            raise ValueError(f"LogitCache: `k={k}` must be >= 1.")
+        self.teacher = teacher_fingerprint
+        self.k = k
+        self._index: dict[bytes, int] = {}
+        self._values: list[torch.Tensor] = []
+        self._indices: list[torch.Tensor] = []
+        self.new: list[tuple[bytes, torch.Tensor, torch.Tensor]] = []  # entries added since the last take_new()
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def get(self, keys: list[bytes]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Stacked (values, indices) for every key, or None if any key is missing."""
+        rows = [self._index.get(k) for k in keys]
+        if any(r is None for r in rows):
+            return None
+        return (torch.stack([self._values[r] for r in rows]),  # type: ignore[index]
+                torch.stack([self._indices[r] for r in rows]))  # type: ignore[index]  # fmt: skip
+
+    def put(self, keys: list[bytes], values: torch.Tensor, indices: torch.Tensor, *, record: bool = True) -> None:
+        """Add the top-k of each sample (first dimension of ``values``/``indices``) under its key."""
+        values = values.detach().to("cpu", torch.float16)
+        indices = indices.detach().to("cpu", torch.int32)
+        for i, key in enumerate(keys):
+            if key in self._index:
+                continue
+            self._index[key] = len(self._values)
+            self._values.append(values[i].clone())
+            self._indices.append(indices[i].clone())
+            if record:
+                self.new.append((key, self._values[-1], self._indices[-1]))
+
+    def take_new(self) -> list[tuple[bytes, torch.Tensor, torch.Tensor]]:
+        new, self.new = self.new, []
+        return new
+
+    def save(self, url: str) -> None:
+        """Write every entry to ``url`` (a local path or an fsspec URL such as ``s3://bucket/kd.pt``)."""
+        import fsspec
+
+        keys = list(self._index)
+        payload = {
+            "format": self.FORMAT,
+            "teacher": self.teacher,
+            "k": self.k,
+            "keys": torch.frombuffer(bytearray(b"".join(keys)), dtype=torch.uint8).reshape(len(keys), 16)
+            if keys
+            else torch.empty(0, 16, dtype=torch.uint8),
+            "values": torch.stack(self._values) if keys else torch.empty(0),
+            "indices": torch.stack(self._indices) if keys else torch.empty(0, dtype=torch.int32),
+        }
+        fs, path = fsspec.core.url_to_fs(url)
+        parent = path.rsplit("/", 1)[0] if "/" in path else ""
+        if parent:
+            fs.makedirs(parent, exist_ok=True)
+        with fs.open(path, "wb") as f:
+            torch.save(payload, f)
+
+    @classmethod
+    def load(cls, url: str, teacher_fingerprint: str, k: int) -> LogitCache | None:
+        """The cache stored at ``url``; None if there is none. Raises if it was written for another teacher or
+        with another ``k``."""
+        import fsspec
+
+        fs, path = fsspec.core.url_to_fs(url)
+        if not fs.exists(path):
+            return None
+        with fs.open(path, "rb") as f:
+            payload = torch.load(f, map_location="cpu", weights_only=True)
+        if payload.get("format") != cls.FORMAT:
+            raise ValueError(f"`cache={url!r}` is not a logit cache of lightning_bigtrain: {payload.get('format')=}")
+        if payload["teacher"] != teacher_fingerprint or payload["k"] != k:
+            raise ValueError(
+                f"`KnowledgeDistillation(cache={url!r})` was written for another teacher or top-k "
+                f"(teacher {payload['teacher']}, k={payload['k']}; this run: teacher {teacher_fingerprint}, k={k}). "
+                "Point cache= at another location, delete the file, or pass "
+                "DistillationOptions(rebuild_cache=True) to overwrite it."
+            )
+        cache = cls(teacher_fingerprint, k)
+        keys = [bytes(row.tolist()) for row in payload["keys"]]
+        if keys:
+            cache.put(keys, payload["values"], payload["indices"], record=False)
+        return cache
