@@ -249,12 +249,12 @@ class KnowledgeDistillation(L.Callback):
             k = self.options.cache_top_k
             cache = None
             try:
-                cache = LogitCache.load(self.cache_url, fingerprint, k)
+                cache = LogitCache.load(self.cache_url, fingerprint, k, self.temperature)
             except ValueError:
                 if not self.options.rebuild_cache:
                     raise
                 warn_once(f"KnowledgeDistillation: rebuilding the cache at {self.cache_url!r} (another teacher).")
-            self.cache = cache or LogitCache(fingerprint, k)
+            self.cache = cache or LogitCache(fingerprint, k, self.temperature)
             self._complete = len(self.cache) > 0
 
     def _wrap(self, pl_module: L.LightningModule, name: str, replacement: Any) -> None:
@@ -352,7 +352,7 @@ class KnowledgeDistillation(L.Callback):
             if hit is not None:
                 self._hits += 1
                 device = self._student_logits.device
-                return hit[0].to(device), hit[1].to(device)
+                return tuple(t.to(device) for t in hit)
             self._misses += 1
             if self._complete:
                 warn_once(
@@ -367,9 +367,10 @@ class KnowledgeDistillation(L.Callback):
         logits = _first_tensor(self._teacher_out, "teacher")
         self._teacher_out = None
         if keys is not None and self.cache is not None:
-            values, indices = topk_logits(logits, self.cache.k)
-            self.cache.put(keys, values, indices)
-            return values, indices
+            values, indices, log_partition = topk_logits(logits, self.cache.k, self.temperature)
+            self.cache.put(keys, values, indices, log_partition)
+            # The same top-k the cache returns (values rounded as stored): a hit and a miss give the same loss.
+            return values.half().float(), indices, log_partition
         return logits
 
     def _training_step(self, pl_module: L.LightningModule, original: Any, *args: Any, **kwargs: Any) -> Any:
@@ -399,10 +400,10 @@ class KnowledgeDistillation(L.Callback):
         finally:
             self._capturing = False
         if isinstance(teacher, tuple):
-            values, indices = teacher
+            values, indices, log_partition = teacher
             if not self._checked_shapes:
                 self._check_shapes(student, values, topk=True)
-            kd = topk_kd_loss(student, values, indices, self.temperature)
+            kd = topk_kd_loss(student, values.float(), indices, self.temperature, log_partition)
             agree = agreement(student, indices[..., 0])
         else:
             if not self._checked_shapes:
@@ -451,8 +452,8 @@ class KnowledgeDistillation(L.Callback):
             gathered: list[Any] = [None] * trainer.world_size
             dist.all_gather_object(gathered, new)
             for rank_entries in gathered:
-                for key, values, indices in rank_entries:
-                    self.cache.put([key], values[None], indices[None], record=False)
+                for key, values, indices, log_partition in rank_entries:
+                    self.cache.put([key], values[None], indices[None], log_partition[None], record=False)
             added = sum(len(g) for g in gathered)
         else:
             added = len(new)
