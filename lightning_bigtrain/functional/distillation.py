@@ -191,6 +191,7 @@ class LogitCache:
         self.temperature = float(temperature)
         self._index: dict[bytes, int] = {}
         self._rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._stacked: list[torch.Tensor] | None = None  # the rows as three tensors, rebuilt after a put
         self.new: list[tuple[bytes, torch.Tensor, torch.Tensor, torch.Tensor]] = []  # added since take_new()
 
     def __len__(self) -> int:
@@ -201,8 +202,11 @@ class LogitCache:
         found = [self._index.get(k) for k in keys]
         if any(r is None for r in found):
             return None
-        rows = [self._rows[r] for r in found if r is not None]
-        return tuple(torch.stack(parts) for parts in zip(*rows, strict=True))  # type: ignore[return-value]
+        if self._stacked is None:
+            self._stacked = [torch.stack(parts) for parts in zip(*self._rows, strict=True)]
+        rows = torch.tensor(found)
+        values, indices, log_partition = (t.index_select(0, rows) for t in self._stacked)
+        return values, indices, log_partition
 
     def put(
         self,
@@ -223,6 +227,7 @@ class LogitCache:
             self._index[key] = len(self._rows)
             row = (values[i].clone(), indices[i].clone(), log_partition[i].clone())
             self._rows.append(row)
+            self._stacked = None
             if record:
                 self.new.append((key, *row))
 
