@@ -1,12 +1,14 @@
 """The main job: a char-level GPT trained on Shakespeare by 2 CPU ranks, with a printed report.
 
     bigtrain demo [--output runs/demo] [--max-steps 250] [--strategy bigtrain_zero2] [--devices 2]
-                  [--compression powersgd|topk|onebit|int8|int4|fp16|bf16]
+                  [--compression powersgd|topk|onebit|int8|int4|fp16|bf16] [--teacher runs/demo/model.ckpt]
 
 As features land, each adds itself here, so the demo shows the plugins working together. The default
 strategy is ZeRO stage 2 (gradients and optimizer states sharded over the 2 ranks).
 ``--compression`` compresses the gradient exchange: with ``--strategy ddp`` through CompressedDDPStrategy,
 with ``bigtrain_zero1`` through ZeroStrategy(stage=1, compression=...) (stages 2 and 3 take fp16/bf16 only).
+The trained model is saved to ``<output>/model.ckpt``; ``--teacher`` distils such a checkpoint into a student
+a fifth of the demo model's depth x width (KnowledgeDistillation, T=2, alpha=0.5).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ def run_demo(
     val_batches: int = 16,
     strategy: str = "bigtrain_zero2",
     compression: str | None = None,
+    teacher: str | None = None,
 ) -> dict:
     """Validate, train and validate again; returns the :class:`RunReport` dictionary (on rank 0)."""
     import lightning as L
@@ -40,8 +43,17 @@ def run_demo(
         raise ValueError(f"`bigtrain demo --max-steps {max_steps}`: max-steps must be >= 1.")
     L.seed_everything(1234, verbose=False)
     data = ShakespeareDataModule(block_size=128, batch_size=32)
-    model = CharGPT(vocab_size=data.vocab_size, block_size=128, n_layer=4, n_head=4, n_embd=128)
-    report = RunReport(path=str(Path(output) / "report.md"), title="bigtrain demo: char-GPT on Shakespeare")
+    callbacks: list[L.Callback] = []
+    if teacher is None:
+        model = CharGPT(vocab_size=data.vocab_size, block_size=128, n_layer=4, n_head=4, n_embd=128)
+        title = "bigtrain demo: char-GPT on Shakespeare"
+    else:
+        from lightning_bigtrain.callbacks import KnowledgeDistillation
+
+        model = CharGPT(vocab_size=data.vocab_size, block_size=128, n_layer=2, n_head=2, n_embd=64)
+        callbacks.append(KnowledgeDistillation(teacher, temperature=2.0, alpha=0.5))
+        title = f"bigtrain demo: char-GPT student distilled from {teacher}"
+    report = RunReport(path=str(Path(output) / "report.md"), title=title)
     strategy_arg: Any = strategy
     if compression is not None:
         from lightning_bigtrain.strategies import CompressedDDPStrategy, ZeroStrategy
@@ -61,7 +73,7 @@ def run_demo(
         check_val_every_n_epoch=None,
         limit_val_batches=val_batches,
         num_sanity_val_steps=0,
-        callbacks=[report],
+        callbacks=[*callbacks, report],
         logger=CSVLogger(output, name="logs"),
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -70,6 +82,7 @@ def run_demo(
     )
     trainer.validate(model, datamodule=data, verbose=False)
     trainer.fit(model, datamodule=data)
+    trainer.save_checkpoint(Path(output) / "model.ckpt")
     return report.report
 
 
@@ -92,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
         choices=["powersgd", "topk", "onebit", "int8", "int4", "fp16", "bf16"],
         help="compress the gradient exchange (ddp, bigtrain_zero1; zero2/3 take fp16/bf16 only)",
     )
+    parser.add_argument(
+        "--teacher", default=None, help="a CharGPT checkpoint (runs/demo/model.ckpt) to distil into a smaller student"
+    )
     args = parser.parse_args(argv)
     if args.max_steps < 1:
         parser.error(f"--max-steps {args.max_steps}: max-steps must be >= 1.")
@@ -101,5 +117,5 @@ def main(argv: list[str] | None = None) -> int:
             "keeps only a slice of the reduced gradients (fp16/bf16 work there, as a low-precision reduce-scatter)."
         )
     run_demo(args.output, args.max_steps, args.devices, args.accelerator, strategy=args.strategy,
-             compression=args.compression)  # fmt: skip
+             compression=args.compression, teacher=args.teacher)  # fmt: skip
     return 0

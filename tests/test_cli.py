@@ -81,6 +81,15 @@ def test_demo_runs_and_writes_its_report(tmp_path):
     assert report["val_loss_end"] < report["val_loss_start"]
     assert len(report["peak_memory_bytes_per_rank"]) == 2
     assert "tokens/s" in text and text.strip() in run.stdout
+    # The saved model (a sharded ZeRO-2 folder) is the teacher of a distilled student.
+    student = tmp_path / "student"
+    run = _bigtrain("demo", "--max-steps", "10", "--teacher", str(tmp_path / "demo" / "model.ckpt"),
+                    "--output", str(student), cwd=tmp_path)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads((student / "report.json").read_text())
+    assert "KnowledgeDistillation" in report["callbacks"] and report["steps"] == 10
+    metrics = next((student / "logs").rglob("metrics.csv")).read_text()
+    assert "distill/kd_loss" in metrics.splitlines()[0]
 
 
 @pytest.mark.integration

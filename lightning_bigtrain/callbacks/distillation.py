@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -140,7 +141,8 @@ class KnowledgeDistillation(L.Callback):
     ``teardown``.
 
     Args:
-        teacher: An ``nn.Module`` (a LightningModule included) or the path of a Lightning checkpoint.
+        teacher: An ``nn.Module`` (a LightningModule included) or the path of a Lightning checkpoint (a file, or
+            the folder of a sharded ZeroStrategy checkpoint).
         temperature: Softening temperature ``T`` > 0.
         alpha: Weight of the distillation loss in [0, 1] (1: distillation only).
         features: Feature hints ``{student_layer: teacher_layer}`` by module name.
@@ -219,6 +221,15 @@ class KnowledgeDistillation(L.Callback):
                 f"KnowledgeDistillation: cannot rebuild the teacher from {path!r} with {cls.__name__} (not a "
                 "LightningModule); pass the teacher module itself or DistillationOptions(teacher_class=...)."
             )
+        if os.path.isdir(path):
+            # A sharded ZeroStrategy checkpoint (a folder): consolidate it into one file first.
+            import tempfile
+
+            from lightning_bigtrain.strategies.zero import consolidate_checkpoint
+
+            with tempfile.TemporaryDirectory() as tmp:
+                single = consolidate_checkpoint(path, Path(tmp) / "teacher.ckpt")
+                return cls.load_from_checkpoint(single, map_location="cpu")
         return cls.load_from_checkpoint(path, map_location="cpu")
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
