@@ -38,3 +38,31 @@ def shakespeare_subset():
     from lightning_bigtrain.data import ShakespeareDataModule
 
     return ShakespeareDataModule(block_size=32, batch_size=16, subset=128)
+
+
+@pytest.fixture
+def s3_bucket(monkeypatch):
+    """A real S3-compatible HTTP server (moto's) on a free local port, with a new empty bucket; the ranks
+    reach it through s3fs, configured by the standard AWS environment variables they inherit. Yields the
+    filesystem and the bucket's name (moto keeps buckets per process, so each test makes its own)."""
+    import uuid
+
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    for key, value in {
+        "AWS_ACCESS_KEY_ID": "bigtrain",
+        "AWS_SECRET_ACCESS_KEY": "bigtrain",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": f"http://{host}:{port}",
+    }.items():
+        monkeypatch.setenv(key, value)  # fmt: skip
+    import fsspec
+
+    fs = fsspec.filesystem("s3", skip_instance_cache=True)
+    bucket = f"checkpoints-{uuid.uuid4().hex[:8]}"
+    fs.mkdir(bucket)
+    yield fs, bucket
+    server.stop()

@@ -23,10 +23,10 @@ from lightning_bigtrain.functional.distillation import (
 
 def _hand_kd(s: torch.Tensor, t: torch.Tensor, T: float) -> float:
     total, rows = 0.0, 0
-    for srow, trow in zip(s.reshape(-1, s.shape[-1]).tolist(), t.reshape(-1, t.shape[-1]).tolist()):
+    for srow, trow in zip(s.reshape(-1, s.shape[-1]).tolist(), t.reshape(-1, t.shape[-1]).tolist(), strict=True):
         zs = sum(math.exp(v / T) for v in srow)
         zt = sum(math.exp(v / T) for v in trow)
-        for a, b in zip(srow, trow):
+        for a, b in zip(srow, trow, strict=True):
             pt = math.exp(b / T) / zt
             total += pt * (math.log(pt) - math.log(math.exp(a / T) / zs))
         rows += 1
@@ -64,9 +64,9 @@ def test_topk_kd_is_exact_with_every_class_and_its_gradient_error_shrinks_with_k
     full = _grad(lambda x: kd_loss(x, t, 2.0), s)
     errors, renormalized = {}, {}
     for k in (1, 4, 8, 16, 32):
-        values, indices, log_z = topk_logits(t, k, 2.0)
-        errors[k] = (_grad(lambda x: topk_kd_loss(x, values, indices, 2.0, log_z), s) - full).norm() / full.norm()
-        renormalized[k] = (_grad(lambda x: topk_kd_loss(x, values, indices, 2.0), s) - full).norm() / full.norm()
+        v, i, z = topk_logits(t, k, 2.0)
+        errors[k] = (_grad(lambda x, v=v, i=i, z=z: topk_kd_loss(x, v, i, 2.0, z), s) - full).norm() / full.norm()
+        renormalized[k] = (_grad(lambda x, v=v, i=i: topk_kd_loss(x, v, i, 2.0), s) - full).norm() / full.norm()
     assert errors[32] < 1e-6 and renormalized[32] < 1e-6
     values, indices, log_z = topk_logits(t, 32, 2.0)
     assert topk_kd_loss(s, values, indices, 2.0, log_z).item() == pytest.approx(kd_loss(s, t, 2.0).item(), rel=1e-6)
