@@ -1,4 +1,5 @@
-"""Generic tests over the settings table: fit on 2 gloo ranks, exact resume, bad input rejected."""
+"""Generic tests over the settings table: fit on 2 gloo ranks with identical replicas, exact resume, bad input
+rejected."""
 
 from __future__ import annotations
 
@@ -40,31 +41,6 @@ def _flat_state(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([_full(t) for t in model.state_dict().values() if t.is_floating_point()])
 
 
-def _fit(rank: int, name: str) -> dict:
-    setting = by_name(name)
-    L.seed_everything(0, verbose=False)
-    model = setting.model()
-    trainer = L.Trainer(max_steps=4, limit_val_batches=2, enable_checkpointing=False, **_COMMON,
-                        **setting.trainer_kwargs())  # fmt: skip
-    trainer.fit(model, datamodule=setting.data())
-    return {
-        "global_step": trainer.global_step,
-        "loss": float(trainer.callback_metrics["train_loss"]),
-        "weights": _flat_params(model),
-    }
-
-
-@pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: s.name)
-def test_fits_on_two_ranks_with_identical_replicas(setting):
-    results = run_on_ranks(_fit, setting.name, init_process_group=False)
-    for r in results:
-        assert r["global_step"] == 4
-        assert math.isfinite(r["loss"])
-    # Data-parallel replicas must hold bit-identical parameters (buffers such as BatchNorm statistics
-    # are per rank between DDP's broadcasts).
-    assert torch.equal(results[0]["weights"], results[1]["weights"])
-
-
 class _Interrupt(L.Callback):
     """Stops a run configured for more epochs after ``epochs`` epochs, as a pre-empted job would;
     records the step training started from (to prove a resumed run did not start over)."""
@@ -85,7 +61,7 @@ def _fit_and_resume(rank: int, name: str, ckpt_dir: str) -> dict:
     setting = by_name(name)
     kwargs = dict(limit_train_batches=3, limit_val_batches=1, **_COMMON)
 
-    def run(stop_after: int | None, ckpt_path: str | None) -> torch.Tensor:
+    def run(stop_after: int | None, ckpt_path: str | None) -> tuple[torch.Tensor, L.LightningModule, L.Trainer]:
         L.seed_everything(0, verbose=False)
         model = setting.model()
         extra = setting.trainer_kwargs()
@@ -97,19 +73,30 @@ def _fit_and_resume(rank: int, name: str, ckpt_dir: str) -> dict:
         trainer.fit(model, datamodule=setting.data(), ckpt_path=ckpt_path)
         assert trainer.global_step == 3 * (stop_after or 2)
         assert probe.start_step == (3 if ckpt_path else 0), "the resumed run did not continue from step 3"
-        return _flat_state(model)
+        return _flat_state(model), model, trainer
 
-    uninterrupted = run(None, None)
+    uninterrupted, model, trainer = run(None, None)
     run(1, None)
-    resumed = run(None, f"{ckpt_dir}/last.ckpt")
-    return {"uninterrupted": uninterrupted, "resumed": resumed}
+    resumed, _, _ = run(None, f"{ckpt_dir}/last.ckpt")
+    return {
+        "uninterrupted": uninterrupted,
+        "resumed": resumed,
+        "weights": _flat_params(model),
+        "loss": float(trainer.callback_metrics["train_loss"]),
+    }
 
 
 @pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: s.name)
-def test_resume_from_checkpoint_matches_uninterrupted_run(setting, tmp_path):
+def test_fits_with_identical_replicas_and_resumes_where_the_uninterrupted_run_ends(setting, tmp_path):
+    """One spawn per row (process start-up dominates a tiny fit): a 2-epoch fit on 2 ranks, then the same run
+    stopped after epoch 1 and resumed from its checkpoint."""
     results = run_on_ranks(_fit_and_resume, setting.name, str(tmp_path), init_process_group=False)
     for r in results:
+        assert math.isfinite(r["loss"])
         torch.testing.assert_close(r["resumed"], r["uninterrupted"], rtol=0, atol=setting.resume_atol)
+    # Data-parallel replicas must hold bit-identical parameters (buffers such as BatchNorm statistics
+    # are per rank between DDP's broadcasts).
+    assert torch.equal(results[0]["weights"], results[1]["weights"])
 
 
 _BAD = [(s, b) for s in SETTINGS for b in s.bad_inputs]

@@ -58,16 +58,26 @@ def test_single_process_compression_warns_and_trains_densely():
     assert not r["engine"] and r["finite"]
 
 
-@pytest.mark.parametrize("kind", ["ddp_cast", "zero2", "zero3"])
-def test_cast_of_gradients_that_are_16_bit_already_warns(kind):
-    results = run_on_ranks(_fit, kind, "bf16-true", init_process_group=False)
-    # Rank 0 warns; every rank trains on, its gradients exchanged as they are (bf16, not cast to fp16).
-    assert any("the gradients are bfloat16 already" in m for m in results[0]["warned"]), results[0]["warned"]
-    for r in results:
-        assert not r["engine"] and r["finite"]
-        assert r["grads"] == ["torch.bfloat16"]
+def _fits(rank: int, runs: list[tuple[str, str]]) -> list[dict[str, Any]]:
+    from lightning_bigtrain import warnings as bt_warnings
+
+    out = []
+    for kind, precision in runs:
+        bt_warnings._seen.clear()  # each fit may warn again
+        out.append(_fit(rank, kind, precision))
+    return out
 
 
-def test_cast_with_fp32_gradients_acts_without_warning():
-    for r in run_on_ranks(_fit, "zero2", "32-true", init_process_group=False):
-        assert not r["warned"]
+def test_cast_warns_only_when_the_gradients_are_16_bit_already():
+    runs = [("ddp_cast", "bf16-true"), ("zero2", "bf16-true"), ("zero3", "bf16-true"), ("zero2", "32-true")]
+    per_rank = run_on_ranks(_fits, runs, init_process_group=False)
+    for i, (kind, precision) in enumerate(runs):
+        results = [ranks[i] for ranks in per_rank]
+        if precision == "32-true":
+            assert not any(r["warned"] for r in results), kind
+            continue
+        # Rank 0 warns; every rank trains on, its gradients exchanged as they are (bf16, not cast to fp16).
+        assert any("the gradients are bfloat16 already" in m for m in results[0]["warned"]), (kind, results[0])
+        for r in results:
+            assert not r["engine"] and r["finite"]
+            assert r["grads"] == ["torch.bfloat16"], kind
