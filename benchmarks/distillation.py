@@ -142,47 +142,8 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="few steps, one seed (a smoke run)")
-    parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
-    parser.add_argument("--mode", default="plain", help=argparse.SUPPRESS)
-    parser.add_argument("--teacher", default="", help=argparse.SUPPRESS)
-    parser.add_argument("--steps", type=int, default=100, help=argparse.SUPPRESS)
-    parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
-    parser.add_argument("--kd", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--transfer", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--temperature", type=float, default=4.0, help=argparse.SUPPRESS)
-    parser.add_argument("--alpha", type=float, default=0.9, help=argparse.SUPPRESS)
-    parser.add_argument("--score", default="test", help=argparse.SUPPRESS)
-    parser.add_argument("--out", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.worker:
-        return worker(args)
-
-    quick = args.quick
-    work = Path(tempfile.mkdtemp(prefix="bt-distill-"))
-    steps = {"cnn_teacher": 60 if quick else 1300, "cnn_student": 40 if quick else 800,
-             "gpt_teacher": 30 if quick else 600, "gpt_student": 30 if quick else 600}  # fmt: skip
-    seeds = [0] if quick else [0, 1, 2]
-    rounds = 1 if quick else 3
-    figures: dict[str, Any] = {"steps": steps, "seeds": seeds}
-
-    def run(worker_name: str, **kw: Any) -> dict[str, Any]:
-        argv_ = ["--worker", worker_name, "--steps", str(steps.get(worker_name, 0))]
-        for key, value in kw.items():
-            if isinstance(value, bool):
-                argv_ += [f"--{key}"] if value else []
-            else:
-                argv_ += [f"--{key}", str(value)]
-        return run_worker("benchmarks.distillation", argv_, timeout=3600)
-
-    cnn_teacher = str(work / "cnn_teacher.ckpt")
-    t = run("cnn_teacher", teacher=cnn_teacher)
-    figures["cnn_teacher"] = t
-    print(f"CNN teacher: {t['params']} parameters, test accuracy {t['test_acc']:.4f}", flush=True)
-
+def accuracy(run: Any, cnn_teacher: str, quick: bool, seeds: list[int], figures: dict[str, Any]) -> None:
+    t = figures["cnn_teacher"]
     # Temperature and alpha: a small sweep on the transfer set, scored on the validation split.
     sweep = {}
     for temperature, alpha in SWEEP[:1] if quick else SWEEP:
@@ -214,6 +175,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"\nStudent ({figures['student_params']} params) vs teacher ({t['params']}); T={best_t}, alpha={best_a}")
     figures["accuracy_table"] = print_table(rows, list(rows[0]))
 
+
+def timing(run: Any, cnn_teacher: str, rounds: int, figures: dict[str, Any]) -> None:
     times: dict[str, list[float]] = {"plain": [], "live": [], "cached": []}
     for round_ in range(rounds):
         order = list(times) if round_ % 2 == 0 else list(times)[::-1]
@@ -230,13 +193,71 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"step time vs student alone: live teacher {figures['overhead_live']:.2f}x, "
           f"cached logits {figures['overhead_cached']:.2f}x")  # fmt: skip
 
-    gpt_teacher = str(work / "gpt_teacher.ckpt")
+
+def gpt(run: Any, gpt_teacher: str, figures: dict[str, Any]) -> None:
     gt = run("gpt_teacher", teacher=gpt_teacher)
     alone = run("gpt_student", teacher=gpt_teacher)
     distilled = run("gpt_student", teacher=gpt_teacher, kd=True, temperature=2.0, alpha=0.5)
     figures["gpt"] = {"teacher": gt, "alone": alone, "kd": distilled}
     print(f"char-GPT: teacher ({gt['params']} params) val loss {gt['val_loss']:.4f}; student ({alone['params']}) "
           f"alone {alone['val_loss']:.4f}, distilled {distilled['val_loss']:.4f}")  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="few steps, one seed (a smoke run)")
+    parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--parts", nargs="+", default=["accuracy", "timing", "gpt"],
+                        choices=["accuracy", "timing", "gpt"],
+                        help="what to run; the other parts' figures are kept from the last results file")  # fmt: skip
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--mode", default="plain", help=argparse.SUPPRESS)
+    parser.add_argument("--teacher", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--steps", type=int, default=100, help=argparse.SUPPRESS)
+    parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--kd", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--transfer", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--temperature", type=float, default=4.0, help=argparse.SUPPRESS)
+    parser.add_argument("--alpha", type=float, default=0.9, help=argparse.SUPPRESS)
+    parser.add_argument("--score", default="test", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        return worker(args)
+
+    quick = args.quick
+    work = Path("runs/bench-distillation-quick" if quick else "runs/bench-distillation")
+    work.mkdir(parents=True, exist_ok=True)
+    steps = {"cnn_teacher": 60 if quick else 1300, "cnn_student": 40 if quick else 800,
+             "gpt_teacher": 30 if quick else 600, "gpt_student": 30 if quick else 600}  # fmt: skip
+    seeds = [0] if quick else [0, 1, 2]
+    rounds = 1 if quick else 3
+    figures: dict[str, Any] = {"steps": steps, "seeds": seeds}
+    previous = args.results_dir / "distillation.json"
+    if set(args.parts) != {"accuracy", "timing", "gpt"} and previous.exists():
+        figures.update(json.loads(previous.read_text())["figures"])
+        print(f"kept the figures of the parts not run from {previous}")
+
+    def run(worker_name: str, **kw: Any) -> dict[str, Any]:
+        argv_ = ["--worker", worker_name, "--steps", str(steps.get(worker_name, 0))]
+        for key, value in kw.items():
+            if isinstance(value, bool):
+                argv_ += [f"--{key}"] if value else []
+            else:
+                argv_ += [f"--{key}", str(value)]
+        return run_worker("benchmarks.distillation", argv_, timeout=3600)
+
+    cnn_teacher = str(work / "cnn_teacher.ckpt")
+    if "accuracy" in args.parts or not Path(cnn_teacher).exists():
+        t = run("cnn_teacher", teacher=cnn_teacher)
+        figures["cnn_teacher"] = t
+        print(f"CNN teacher: {t['params']} parameters, test accuracy {t['test_acc']:.4f}", flush=True)
+    if "accuracy" in args.parts:
+        accuracy(run, cnn_teacher, quick, seeds, figures)
+    if "timing" in args.parts:
+        timing(run, cnn_teacher, rounds, figures)
+    if "gpt" in args.parts:
+        gpt(run, str(work / "gpt_teacher.ckpt"), figures)
 
     payload = {"config": {"quick": quick}, "machine": machine_info(), "figures": figures}
     headline = (
