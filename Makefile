@@ -39,7 +39,7 @@ $(DATA)/shakespeare/.ready: lightning_bigtrain/data/prepare.py lightning_bigtrai
 	@touch $@
 
 test: venv data
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests --durations=15
 
 # Extra demo flags, e.g. `make demo DEMO_ARGS="--strategy ddp --compression powersgd"`.
 DEMO_ARGS ?=

@@ -26,21 +26,26 @@ def _walk(nodes: list[Any]) -> Iterator[Any]:
 class AllocationTimeline:
     """Use as a context manager around the run; call :meth:`mark` at points of interest inside it."""
 
-    def __init__(self) -> None:
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
         self._names: list[str] = []
         self._profiler: Any = None
 
     def __enter__(self) -> AllocationTimeline:
         from torch.profiler import ProfilerActivity, profile
 
-        self._profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-        self._profiler.__enter__()
+        if self.enabled:
+            self._profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+            self._profiler.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self._profiler.__exit__(*exc)
+        if self._profiler is not None:
+            self._profiler.__exit__(*exc)
 
     def mark(self, name: str) -> None:
+        if not self.enabled:
+            return
         if name not in self._names:
             self._names.append(name)
         torch.empty(_MARK_BASE + 2 * self._names.index(name), dtype=torch.uint8)
