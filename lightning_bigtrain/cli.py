@@ -72,6 +72,27 @@ class BigtrainCLI(LightningCLI):
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``bigtrain`` console script."""
+    try:
+        _main(argv)
+    finally:
+        _close_process_group()
+
+
+def _close_process_group() -> None:
+    """Destroy the default process group the run created, before the interpreter exits.
+
+    Left to interpreter shutdown, the gloo context's worker threads can be destroyed while still joinable,
+    which aborts the process (``terminate called without an active exception``, exit -6) after a run that
+    finished correctly. Every collective of ``fit`` has completed on every rank by the time it returns, so
+    closing the group here is local clean-up.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _main(argv: list[str] | None) -> None:
     args = sys.argv[1:] if argv is None else list(argv)
     if args and args[0] == "demo":
         from lightning_bigtrain.demo import main as demo_main
