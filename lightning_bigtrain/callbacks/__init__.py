@@ -1,6 +1,15 @@
 """Lightning callbacks of lightning_bigtrain."""
 
 from lightning_bigtrain.callbacks.distillation import DistillationOptions, KnowledgeDistillation
+from lightning_bigtrain.callbacks.pruning import MagnitudePruning, PruningSchedule, format_sparsity_table
 from lightning_bigtrain.callbacks.report import RunReport, format_report
 
-__all__ = ["DistillationOptions", "KnowledgeDistillation", "RunReport", "format_report"]
+__all__ = [
+    "DistillationOptions",
+    "KnowledgeDistillation",
+    "MagnitudePruning",
+    "PruningSchedule",
+    "RunReport",
+    "format_report",
+    "format_sparsity_table",
+]

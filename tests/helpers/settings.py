@@ -16,7 +16,13 @@ from typing import Any
 import lightning as L
 import torch
 
-from lightning_bigtrain.callbacks import DistillationOptions, KnowledgeDistillation, RunReport
+from lightning_bigtrain.callbacks import (
+    DistillationOptions,
+    KnowledgeDistillation,
+    MagnitudePruning,
+    PruningSchedule,
+    RunReport,
+)
 from lightning_bigtrain.compression import Cast, OneBit, PowerSGD, Quantize, TopK
 from lightning_bigtrain.data import FashionMNISTDataModule, ShakespeareDataModule
 from lightning_bigtrain.models import CharGPT, FashionCNN
@@ -95,6 +101,19 @@ def _kd_cnn() -> dict[str, Any]:
 def _kd_zero3_gpt() -> dict[str, Any]:
     teacher = _teacher(lambda: CharGPT(block_size=32, n_layer=2, n_head=2, n_embd=48))
     return {"strategy": ZeroStrategy(stage=3, min_wrap_params=1000), "callbacks": [KnowledgeDistillation(teacher)]}
+
+
+def _prune_ddp_cnn() -> dict[str, Any]:
+    # The ramp spans the interruption (step 3): masks, schedule position and the rewind copy are restored.
+    pruning = MagnitudePruning(0.75, schedule=PruningSchedule(start=1, end=4, frequency=1), rewind=1, plot=False)
+    return {"strategy": "ddp", "callbacks": [pruning]}
+
+
+def _prune_zero3_gpt() -> dict[str, Any]:
+    # Sharded weights: thresholds from all-reduced counts; movement scores are checkpointed and resharded.
+    pruning = MagnitudePruning(0.6, criterion="movement", schedule=PruningSchedule(start=2, end=5, frequency=1),
+                               plot=False)  # fmt: skip
+    return {"strategy": ZeroStrategy(stage=3, min_wrap_params=1000), "callbacks": [pruning]}
 
 
 def _ddp_with_report() -> dict[str, Any]:
@@ -236,6 +255,22 @@ SETTINGS: tuple[Setting, ...] = (
         ),
     ),
     Setting(name="kd_zero3_gpt", model=_tiny_gpt, data=_tiny_shakespeare, trainer_kwargs=_kd_zero3_gpt),
+    # Pruning: gradual global magnitude pruning with lottery-ticket rewinding, and movement pruning of sharded
+    # weights.
+    Setting(
+        name="prune_ddp_cnn",
+        model=_tiny_cnn,
+        data=_tiny_fashion,
+        trainer_kwargs=_prune_ddp_cnn,
+        bad_inputs=(
+            BadInput("sparsity_one", lambda: MagnitudePruning(1.0), ValueError,
+                     r"MagnitudePruning\(sparsity=1.0\): must be a fraction in \[0, 1\)"),
+            BadInput("nm_indivisible", lambda: MagnitudePruning(pattern="2:4")._choose(_tiny_cnn()), ValueError,
+                     r"pattern='2:4'\) cannot apply to: features\.0\.weight"),
+            BadInput("schedule_fraction", lambda: PruningSchedule(end=2.0), ValueError, r"PruningSchedule\(end=2.0\)"),
+        ),
+    ),
+    Setting(name="prune_zero3_gpt", model=_tiny_gpt, data=_tiny_shakespeare, trainer_kwargs=_prune_zero3_gpt),
 )  # fmt: skip
 
 

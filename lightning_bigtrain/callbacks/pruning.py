@@ -1,0 +1,489 @@
+"""MagnitudePruning: gradual unstructured and N:M pruning for any LightningModule, under any of our strategies."""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, get_args
+
+import lightning as L
+import torch
+from lightning.pytorch.utilities import rank_zero_info
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from lightning_bigtrain.functional.pruning import (
+    SparsityRow,
+    check_nm_shape,
+    cubic_sparsity,
+    magnitude_scores,
+    movement_update_,
+    nm_mask,
+    parse_nm,
+    sparsity_masks,
+    sparsity_rows,
+)
+from lightning_bigtrain.warnings import BigtrainWarning, NoEffectWarning, warn_once
+
+__all__ = ["MagnitudePruning", "PruningSchedule", "format_sparsity_table"]
+
+Scope = Literal["global", "layer"]
+Criterion = Literal["magnitude", "movement"]
+_PRUNABLE = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PruningSchedule:
+    """When :class:`MagnitudePruning` prunes, in optimizer steps (``trainer.global_step``).
+
+    An ``int`` is a step; a ``float`` in ``[0, 1]`` is a fraction of ``trainer.estimated_stepping_batches``.
+    Between ``start`` and ``end`` the sparsity follows Zhu & Gupta's cubic ramp (2017), updated every
+    ``frequency`` steps; from ``end`` on it is the final sparsity and training fine-tunes the survivors.
+
+    Attributes:
+        start: First pruning step.
+        end: Step at which the final sparsity is reached. The default leaves the last quarter of the run to
+            recover at full sparsity.
+        frequency: Steps between pruning events; default: 10 events over the ramp.
+        initial_sparsity: Sparsity of the first event (``s_i`` in the paper).
+    """
+
+    start: int | float = 0
+    end: int | float = 0.75
+    frequency: int | None = None
+    initial_sparsity: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("start", "end"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"PruningSchedule({name}={value!r}): expected a step (int) or a fraction (float).")
+            if isinstance(value, float) and not 0.0 <= value <= 1.0:
+                raise ValueError(
+                    f"PruningSchedule({name}={value}): a float is a fraction of the run's steps and must be in "
+                    "[0, 1]; give an int for an absolute step."
+                )
+            if isinstance(value, int) and value < 0:
+                raise ValueError(f"PruningSchedule({name}={value}): steps are >= 0.")
+        if self.frequency is not None and self.frequency < 1:
+            raise ValueError(f"PruningSchedule(frequency={self.frequency}): must be >= 1 step.")
+        if not 0.0 <= self.initial_sparsity < 1.0:
+            raise ValueError(f"PruningSchedule(initial_sparsity={self.initial_sparsity}): must be in [0, 1).")
+
+    def resolve(self, total_steps: float) -> tuple[int, int, int]:
+        """``(start, end, frequency)`` in steps for a run of ``total_steps`` optimizer steps."""
+
+        def steps(value: int | float) -> int:
+            if isinstance(value, float):
+                if not math.isfinite(total_steps):
+                    raise ValueError(
+                        f"PruningSchedule: the fraction {value} needs a run of known length (set max_steps or "
+                        "max_epochs), or give the schedule in steps (ints)."
+                    )
+                return round(value * total_steps)
+            return value
+
+        start, end = steps(self.start), steps(self.end)
+        if end < start:
+            raise ValueError(f"PruningSchedule: end (step {end}) comes before start (step {start}).")
+        frequency = self.frequency or max(1, (end - start) // 10)
+        return start, end, frequency
+
+
+class MagnitudePruning(L.Callback):
+    """Prune weights to a target sparsity during training; masks stay enforced after every optimizer step.
+
+    Hooks: ``setup`` (chooses and validates the weights), ``on_fit_start`` (schedule in steps),
+    ``on_train_batch_start`` (pruning events, rewind snapshot), ``on_before_optimizer_step`` (movement scores),
+    ``on_train_batch_end`` (re-applies the masks after the optimizer step), ``state_dict``/``load_state_dict``
+    (masks, scores, snapshot and schedule position: a resumed run continues exactly), ``on_train_end``
+    (per-layer sparsity table in the log, ``sparsity.png`` in the logger's folder).
+
+    Pruned weights are zeroed in place (no reparametrization: the module keeps plain parameters, so checkpoints
+    load into the unpruned class, and DDP, CompressedDDPStrategy and ZeroStrategy stages 1-3 see ordinary
+    weights). Every rank computes the same masks: replicated weights and gradients are identical after the
+    gradient exchange, and sharded weights (ZeRO-3) get thresholds from counts all-reduced across ranks.
+
+    Args:
+        sparsity: Final fraction of the chosen weights set to zero, in ``[0, 1)``. With ``pattern`` it may be
+            left out (it is ``1 - N/M``).
+        scope: ``"global"`` ranks all chosen weights together (Zhu & Gupta; layers get different sparsities);
+            ``"layer"`` prunes each weight tensor to ``sparsity``.
+        schedule: When to prune; default :class:`PruningSchedule()` (cubic ramp from step 0 to 3/4 of the run).
+            With ``pattern`` the masks are set once, at ``schedule.start``, and the rest of the run fine-tunes.
+        pattern: ``"N:M"`` semi-structured sparsity (e.g. ``"2:4"``: 2 of every 4 consecutive weights along the
+            input dimension kept).
+        criterion: ``"magnitude"`` (``|w|``) or ``"movement"`` (Sanh et al., 2020: weights moving toward zero
+            during fine-tuning are pruned; scores accumulate ``-grad * w`` every step).
+        rewind: Lottery-ticket rewinding (Frankle et al., 2019, "Stabilizing the Lottery Ticket Hypothesis"):
+            keep a copy of the weights at this step (int, or float fraction of the run) and, when the final
+            masks are set, reset the surviving weights to it. The optimizer's state and the learning-rate
+            schedule continue.
+        parameters: Names of the parameters to prune (``fnmatch`` patterns such as ``"features.*.weight"``);
+            default: the ``weight`` of every Linear and Conv layer.
+        plot: Save a per-layer sparsity bar chart (needs matplotlib) at the end of training.
+    """
+
+    def __init__(
+        self,
+        sparsity: float | None = None,
+        *,
+        scope: Scope = "global",
+        schedule: PruningSchedule | None = None,
+        pattern: str | None = None,
+        criterion: Criterion = "magnitude",
+        rewind: int | float | None = None,
+        parameters: Sequence[str] | None = None,
+        plot: bool = True,
+    ) -> None:
+        if scope not in get_args(Scope):
+            raise ValueError(f"MagnitudePruning(scope={scope!r}): expected one of {get_args(Scope)}.")
+        if criterion not in get_args(Criterion):
+            raise ValueError(f"MagnitudePruning(criterion={criterion!r}): expected one of {get_args(Criterion)}.")
+        self.nm = parse_nm(pattern) if pattern is not None else None
+        if self.nm is not None:
+            implied = 1.0 - self.nm[0] / self.nm[1]
+            if sparsity is not None and abs(sparsity - implied) > 1e-9:
+                raise ValueError(
+                    f"MagnitudePruning(sparsity={sparsity}, pattern={pattern!r}): the pattern fixes the sparsity at "
+                    f"{implied:g}; leave `sparsity` out or set it to {implied:g}."
+                )
+            sparsity = implied
+        if sparsity is None:
+            raise ValueError("MagnitudePruning: give `sparsity` (a fraction in [0, 1)) or an N:M `pattern`.")
+        if isinstance(sparsity, bool) or not isinstance(sparsity, (int, float)) or not 0.0 <= sparsity < 1.0:
+            raise ValueError(
+                f"MagnitudePruning(sparsity={sparsity!r}): must be a fraction in [0, 1) (0.9 keeps 10% of the "
+                "weights); 1 would remove every weight."
+            )
+        if rewind is not None and (isinstance(rewind, bool) or (isinstance(rewind, float) and not 0 <= rewind <= 1)
+                                   or (isinstance(rewind, int) and rewind < 0)):  # fmt: skip
+            raise ValueError(f"MagnitudePruning(rewind={rewind!r}): a step (int >= 0) or a fraction of the run.")
+        self.sparsity = float(sparsity)
+        self.scope = scope
+        self.schedule = schedule if schedule is not None else PruningSchedule()
+        if self.schedule.initial_sparsity > self.sparsity:
+            raise ValueError(
+                f"PruningSchedule(initial_sparsity={self.schedule.initial_sparsity}) is above the final "
+                f"sparsity {self.sparsity}."
+            )
+        self.pattern = pattern
+        self.criterion = criterion
+        self.rewind = rewind
+        self.parameters = list(parameters) if parameters is not None else None
+        self.plot = plot
+        self.names: list[str] = []
+        self._masks: dict[str, torch.Tensor] = {}  # local (shard) masks, True keeps
+        self._scores: dict[str, torch.Tensor] = {}  # movement scores (local)
+        self._snapshot: dict[str, torch.Tensor] | None = None  # rewind copy (local)
+        self._pending: dict[str, Any] | None = None  # checkpointed state, applied once parameters are placed
+        self._steps: tuple[int, int, int] = (0, 0, 1)
+        self._rewind_step: int | None = None
+        self._last_event = -1
+        self._current = 0.0
+        self._done = False
+        self._enforced_at = -1
+        self._module: nn.Module | None = None
+        self.report: list[SparsityRow] = []
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(sparsity=self.sparsity, pattern=self.pattern, criterion=self.criterion)
+
+    # ----------------------------------------------------------------------------------------------- set-up
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        self.names = self._choose(pl_module)
+
+    def _choose(self, module: nn.Module) -> list[str]:
+        """Names of the parameters to prune: validated, each tensor once, frozen ones left out with a warning."""
+        named = dict(module.named_parameters(remove_duplicate=False))
+        if self.parameters is None:
+            candidates = [
+                f"{prefix}.weight" if prefix else "weight"
+                for prefix, sub in module.named_modules(remove_duplicate=False)
+                if isinstance(sub, _PRUNABLE) and isinstance(getattr(sub, "weight", None), nn.Parameter)
+            ]
+        else:
+            candidates = []
+            for pattern in self.parameters:
+                hits = [name for name in named if fnmatch.fnmatchcase(name, pattern)]
+                if not hits:
+                    available = ", ".join(list(named)[:30]) + (" ..." if len(named) > 30 else "")
+                    raise ValueError(
+                        f"MagnitudePruning(parameters=[{pattern!r}, ...]): no parameter of "
+                        f"{type(module).__name__} matches {pattern!r}. Parameters: {available}"
+                    )
+                candidates += hits
+        chosen: list[str] = []
+        seen: set[int] = set()
+        frozen: list[str] = []
+        for name in candidates:
+            param = named[name]
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            if not param.requires_grad:
+                frozen.append(name)
+                continue
+            aliases = [other for other, p in named.items() if p is param and other != name]
+            if aliases:
+                warn_once(
+                    f"MagnitudePruning: `{name}` is shared with {', '.join(f'`{a}`' for a in aliases)} (tied weights); "
+                    "it is pruned once and its mask applies to every use.",
+                    BigtrainWarning,
+                )
+            chosen.append(name)
+        if frozen:
+            warn_once(
+                f"MagnitudePruning: {len(frozen)} frozen parameter(s) left unpruned (they do not train, so their "
+                f"accuracy could not recover): {', '.join(frozen)}. Unfreeze them to prune them.",
+                BigtrainWarning,
+            )
+        if not chosen:
+            raise ValueError(
+                f"MagnitudePruning: {type(module).__name__} has no trainable Linear/Conv weight to prune; name the "
+                "parameters with `parameters=[...]`."
+            )
+        if self.nm is not None:
+            bad = [
+                f"{name} {tuple(named[name].shape)} ({reason})"
+                for name in chosen
+                if (reason := check_nm_shape(named[name].shape, self.nm[1])) is not None
+            ]
+            if bad:
+                raise ValueError(
+                    f"MagnitudePruning(pattern={self.pattern!r}) cannot apply to: {'; '.join(bad)}. Leave these out "
+                    "with `parameters=[...]`."
+                )
+        return chosen
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not self.names:
+            self.names = self._choose(pl_module)
+        self._module = pl_module
+        total = trainer.estimated_stepping_batches
+        self._steps = self.schedule.resolve(total)
+        if self.rewind is not None:
+            self._rewind_step = round(self.rewind * total) if isinstance(self.rewind, float) else self.rewind
+            if self._rewind_step > self._steps[1]:
+                raise ValueError(
+                    f"MagnitudePruning(rewind={self.rewind}): the snapshot (step {self._rewind_step}) must come "
+                    f"before the final masks are set (step {self._steps[1]})."
+                )
+        if self.criterion == "movement":
+            strategy = trainer.strategy
+            if getattr(strategy, "stage", None) == 2 and getattr(strategy, "_flat_engine", False):
+                raise ValueError(
+                    "MagnitudePruning(criterion='movement') reads every weight's full gradient, which "
+                    "ZeroStrategy(stage=2) does not keep (each rank holds a slice). Use stage 1 or 3, or DDP."
+                )
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # After on_fit_start: Lightning restores callback state between the two.
+        params = self._params(pl_module)
+        if self._pending is not None:
+            self._restore(params)
+        if self.criterion == "movement":
+            for name, p in params.items():
+                self._scores.setdefault(name, torch.zeros_like(_local(p), dtype=torch.float32))
+
+    # ------------------------------------------------------------------------------------------- training
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int) -> None:
+        step = trainer.global_step
+        if self._done or step <= self._last_event:
+            return
+        params = self._params(pl_module)
+        if self._rewind_step is not None and self._snapshot is None and step >= self._rewind_step:
+            self._snapshot = {name: _local(p).detach().clone() for name, p in params.items()}
+        start, end, frequency = self._steps
+        final = step >= end or self.nm is not None  # N:M masks are set once, at `start`
+        if step < start or not (final or (step - start) % frequency == 0):
+            return
+        self._last_event = step
+        if final:
+            target = self.sparsity
+        else:
+            target = cubic_sparsity(step, final=self.sparsity, start=start, end=end,
+                                    initial=self.schedule.initial_sparsity)  # fmt: skip
+        if target > self._current or final:
+            self._prune(params, target)
+            self._current = target
+        if final:
+            self._done = True
+            if self._snapshot is not None:
+                with torch.no_grad():
+                    for name, p in params.items():
+                        _local(p).copy_(self._snapshot[name] * self._masks[name])
+                self._snapshot = None
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        if self.criterion != "movement" or self._done:
+            return
+        for name, p in self._params(pl_module).items():
+            if p.grad is not None:
+                movement_update_(self._scores[name], _local(p), _local(p.grad))
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        pl_module.log("pruning/sparsity", self._current, rank_zero_only=True)
+        if not self._masks or trainer.global_step == self._enforced_at:
+            return
+        self._enforced_at = trainer.global_step
+        self._apply(self._params(pl_module))
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        params = self._params(pl_module)
+        self.report = sparsity_rows([(name, _full(p.detach())) for name, p in params.items()])
+        if trainer.is_global_zero:
+            rank_zero_info(format_sparsity_table(self.report))
+            if self.plot:
+                self._save_plot(trainer)
+
+    def make_permanent(self) -> list[SparsityRow]:
+        """Stop enforcing the masks (the pruned weights stay zero; further training may revive them) and
+        return the per-layer report. Use after fit, before exporting or further dense training."""
+        self._masks.clear()
+        self._scores.clear()
+        self._snapshot = None
+        self._done = True
+        return self.report
+
+    # ----------------------------------------------------------------------------------------- mechanics
+
+    def _params(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        named = dict(module.named_parameters(remove_duplicate=False))
+        return {name: named[name] for name in self.names}
+
+    def _prune(self, params: dict[str, torch.Tensor], sparsity: float) -> None:
+        locals_ = {name: _local(p) for name, p in params.items()}
+        if self.criterion == "movement":
+            scores = [self._scores[name].masked_fill(~self._masks[name], -math.inf) if name in self._masks
+                      else self._scores[name].clone() for name in params]  # fmt: skip
+        else:
+            scores = [magnitude_scores(locals_[name], self._masks.get(name)) for name in params]
+        if self.nm is not None:
+            masks = [nm_mask(s, *self.nm) for s in scores]
+        else:
+            sharded = [isinstance(p, DTensor) for p in params.values()]
+            group = None
+            if any(sharded):
+                first = next(p for p in params.values() if isinstance(p, DTensor))
+                group = first.device_mesh.get_group()
+            masks = sparsity_masks(scores, sparsity, scope=self.scope, numels=[p.numel() for p in params.values()],
+                                   group=group, sharded=any(sharded))  # fmt: skip
+        self._masks = dict(zip(params, masks, strict=True))
+        self._apply(params)
+
+    @torch.no_grad()
+    def _apply(self, params: dict[str, torch.Tensor]) -> None:
+        for name, p in params.items():
+            _local(p).mul_(self._masks[name].to(_local(p).dtype))
+
+    # ---------------------------------------------------------------------------------------- checkpoint
+
+    def state_dict(self) -> dict[str, Any]:
+        module = self._module
+        state: dict[str, Any] = {
+            "names": list(self.names),
+            "last_event": self._last_event,
+            "current": self._current,
+            "done": self._done,
+        }
+        if module is None:
+            return state
+        params = self._params(module)
+        state["masks"] = {n: _full_like(params[n], m.to(torch.uint8)).bool() for n, m in self._masks.items()}
+        state["scores"] = {n: _full_like(params[n], s) for n, s in self._scores.items()}
+        if self._snapshot is not None:
+            state["snapshot"] = {n: _full_like(params[n], s) for n, s in self._snapshot.items()}
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._pending = dict(state_dict)
+
+    def _restore(self, params: dict[str, torch.Tensor]) -> None:
+        state, self._pending = self._pending, None
+        assert state is not None
+        if state.get("names") and list(state["names"]) != self.names:
+            raise ValueError(
+                "MagnitudePruning: the checkpoint pruned other parameters "
+                f"({', '.join(state['names'][:5])}...) than this run chose ({', '.join(self.names[:5])}...). "
+                "Resume with the same model and `parameters=`."
+            )
+        self._last_event = int(state.get("last_event", -1))
+        self._current = float(state.get("current", 0.0))
+        self._done = bool(state.get("done", False))
+        self._enforced_at = -1
+        self._masks = {n: _shard_like(params[n], m).bool() for n, m in state.get("masks", {}).items()}
+        self._scores = {n: _shard_like(params[n], s) for n, s in state.get("scores", {}).items()}
+        if "snapshot" in state:
+            self._snapshot = {n: _shard_like(params[n], s) for n, s in state["snapshot"].items()}
+        if self._masks:
+            self._apply(params)
+
+    # -------------------------------------------------------------------------------------------- report
+
+    def _save_plot(self, trainer: L.Trainer) -> Path | None:
+        folder = getattr(trainer.logger, "log_dir", None) or trainer.default_root_dir
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            warn_once("MagnitudePruning(plot=True): matplotlib is not installed; no sparsity plot.", NoEffectWarning)
+            return None
+        path = Path(folder) / "sparsity.png"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig, ax = plt.subplots(figsize=(max(4.0, 0.35 * len(self.report) + 2), 3.5))
+        ax.bar(range(len(self.report)), [100 * row.sparsity for row in self.report])
+        ax.set_xticks(range(len(self.report)), [row.name for row in self.report], rotation=75, fontsize=7)
+        ax.set_ylabel("sparsity (%)")
+        ax.set_ylim(0, 100)
+        ax.set_title("MagnitudePruning: zeros per layer")
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        return path
+
+
+def format_sparsity_table(rows: Sequence[SparsityRow]) -> str:
+    """A plain-text per-layer sparsity table, with the total on the last line."""
+    width = max([len(r.name) for r in rows] + [5])
+    lines = [f"{'layer':<{width}}  {'shape':>18}  {'params':>10}  {'zeros':>10}  sparsity"]
+    for r in rows:
+        lines.append(f"{r.name:<{width}}  {r.shape!s:>18}  {r.numel:>10,}  {r.zeros:>10,}  {r.sparsity:8.2%}")
+    numel, zeros = sum(r.numel for r in rows), sum(r.zeros for r in rows)
+    lines.append(f"{'total':<{width}}  {'':>18}  {numel:>10,}  {zeros:>10,}  {zeros / max(numel, 1):8.2%}")
+    return "\n".join(lines)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def _full_like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of which ``local`` is this rank's shard laid out as ``param`` (collective if sharded)."""
+    if not isinstance(param, DTensor):
+        return local.detach().cpu().clone()
+    whole = DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
+                               shape=param.shape, stride=param.stride())  # fmt: skip
+    return whole.full_tensor().cpu()
+
+
+def _shard_like(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of the whole tensor ``full`` laid out as ``param`` (no communication)."""
+    device = _local(param).device
+    if not isinstance(param, DTensor):
+        return full.to(device)
+    return distribute_tensor(full.to(device), param.device_mesh, param.placements, src_data_rank=None).to_local()
