@@ -66,6 +66,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model", choices=MODELS, help=argparse.SUPPRESS)
+    parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS), help="models to measure")
     parser.add_argument("--devices", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=10, help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     repeats = args.repeats or (1 if args.quick else 3)
     steps = {"cnn": 8 if args.quick else 60, "gpt": 6 if args.quick else 40}
     rows, figures = [], {}
-    for model in MODELS:
+    for model in args.models:
 
         def run(devices: int, model: str = model) -> dict[str, Any]:
             return run_worker("benchmarks.ddp", ["--worker", "--model", model, "--devices", str(devices),
@@ -107,7 +108,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         })  # fmt: skip
     print(f"\nDDP on 2 CPU ranks vs one process ({repeats} repeats, medians)")
     table = print_table(rows, list(rows[0]))
-    headline = ", ".join(f"{m}: DDP x2 / single = {figures[m]['ddp2_over_single']:.2f}" for m in MODELS)
+    headline = ", ".join(f"{m}: DDP x2 / single = {figures[m]['ddp2_over_single']:.2f}" for m in args.models)
     payload = {"config": {"repeats": repeats, "quick": args.quick, "steps": steps}, "figures": figures,
                "table": table}  # fmt: skip
     path = write_results("ddp", payload, headline, args.results_dir)

@@ -1,7 +1,13 @@
 """Lightning callbacks of lightning_bigtrain."""
 
 from lightning_bigtrain.callbacks.distillation import DistillationOptions, KnowledgeDistillation
-from lightning_bigtrain.callbacks.pruning import MagnitudePruning, PruningSchedule, format_sparsity_table
+from lightning_bigtrain.callbacks.pruning import (
+    MagnitudePruning,
+    PruningSchedule,
+    StructuredPruning,
+    format_sparsity_table,
+    load_pruned,
+)
 from lightning_bigtrain.callbacks.report import RunReport, format_report
 
 __all__ = [
@@ -10,6 +16,8 @@ __all__ = [
     "MagnitudePruning",
     "PruningSchedule",
     "RunReport",
+    "StructuredPruning",
     "format_report",
     "format_sparsity_table",
+    "load_pruned",
 ]

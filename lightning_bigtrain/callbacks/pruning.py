@@ -28,7 +28,7 @@ from lightning_bigtrain.functional.pruning import (
 )
 from lightning_bigtrain.warnings import BigtrainWarning, NoEffectWarning, warn_once
 
-__all__ = ["MagnitudePruning", "PruningSchedule", "format_sparsity_table"]
+__all__ = ["MagnitudePruning", "PruningSchedule", "StructuredPruning", "format_sparsity_table", "load_pruned"]
 
 Scope = Literal["global", "layer"]
 Criterion = Literal["magnitude", "movement"]
@@ -487,3 +487,244 @@ def _shard_like(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     if not isinstance(param, DTensor):
         return full.to(device)
     return distribute_tensor(full.to(device), param.device_mesh, param.placements, src_data_rank=None).to_local()
+
+
+Importance = Literal["l2", "taylor"]
+_STRUCTURE_KEY = "bigtrain_structured_pruning"
+
+
+class StructuredPruning(L.Callback):
+    """Remove whole channels, neurons and filters during training, so the model really gets smaller and faster.
+
+    The model is traced once (``torch.fx``, on the input of its first training batch) into channel groups
+    (:mod:`lightning_bigtrain.functional.structured`): producers, consumers, BatchNorms and residual partners that
+    must lose the same channels. At each event of ``schedule`` every prunable group is cut to
+    ``1 - amount_t`` of its original channels (``amount_t`` on Zhu & Gupta's cubic ramp), keeping the most
+    important ones. Layers are resized in place: parameters keep their identity, the optimizer's state (momentum,
+    Adam moments) is sliced with them, and DDP is re-wrapped over the new shapes. Channels the tracer cannot
+    follow (attention heads split by reshapes, LayerNorm-coupled widths, the model's output) are kept, and listed
+    once in a warning.
+
+    Hooks: ``setup`` (strategy check; on resume, resizes the model to the checkpoint's shapes before Lightning
+    loads it), ``on_train_start`` (captures the forward's input), ``on_before_optimizer_step`` (Taylor scores),
+    ``on_train_batch_end`` (pruning events, after the optimizer step), ``state_dict``/``load_state_dict``.
+
+    Args:
+        amount: Final fraction of each prunable group's channels to remove, in ``[0, 1)``.
+        importance: ``"l2"`` (norm of all weights attached to a channel) or ``"taylor"`` (Molchanov et al.,
+            2019: ``(sum w * grad)**2`` per channel, accumulated since the previous event).
+        schedule: When to prune (:class:`PruningSchedule`); events happen after the optimizer step of their step.
+        ignore: Names of modules whose output channels are kept.
+        round_to: Keep channel counts at multiples of this (e.g. 8 for vectorized kernels) where possible.
+    """
+
+    def __init__(
+        self,
+        amount: float,
+        *,
+        importance: Importance = "l2",
+        schedule: PruningSchedule | None = None,
+        ignore: Sequence[str] = (),
+        round_to: int = 1,
+    ) -> None:
+        if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not 0.0 <= amount < 1.0:
+            raise ValueError(
+                f"StructuredPruning(amount={amount!r}): must be a fraction in [0, 1) of each layer's channels "
+                "(0.5 removes half)."
+            )
+        if importance not in get_args(Importance):
+            raise ValueError(f"StructuredPruning(importance={importance!r}): expected one of {get_args(Importance)}.")
+        if round_to < 1:
+            raise ValueError(f"StructuredPruning(round_to={round_to}): must be >= 1.")
+        self.amount = float(amount)
+        self.importance = importance
+        self.schedule = schedule if schedule is not None else PruningSchedule()
+        self.ignore = list(ignore)
+        self.round_to = round_to
+        self.groups: list[Any] = []
+        self._original: dict[int, int] = {}
+        self._example: tuple[Any, ...] | None = None
+        self._hook: Any = None
+        self._taylor: dict[str, torch.Tensor] = {}
+        self._steps: tuple[int, int, int] = (0, 0, 1)
+        self._last_event = -1
+        self._done = False
+        self._module: nn.Module | None = None
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(amount=self.amount, importance=self.importance)
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+
+        from lightning_bigtrain.strategies import CompressedDDPStrategy
+
+        strategy = trainer.strategy
+        if isinstance(strategy, CompressedDDPStrategy) or not isinstance(strategy, (DDPStrategy, SingleDeviceStrategy)):
+            raise ValueError(
+                f"StructuredPruning changes layer shapes mid-training, which {type(strategy).__name__} cannot follow "
+                "(its shards, buckets or compression state are laid out for the old shapes). Prune with "
+                "strategy='ddp' or one device, then train the smaller model with any strategy."
+            )
+        self._module = pl_module
+        if trainer.ckpt_path:
+            import fsspec
+
+            with fsspec.open(str(trainer.ckpt_path), "rb") as f:
+                checkpoint = torch.load(f, map_location="cpu", weights_only=False)
+            if _STRUCTURE_KEY in checkpoint:
+                from lightning_bigtrain.functional.structured import resize_to_state_dict_
+
+                resize_to_state_dict_(pl_module, checkpoint["state_dict"])
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._steps = self.schedule.resolve(trainer.estimated_stepping_batches)
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        example = getattr(pl_module, "example_input_array", None)
+        if example is not None:
+            self._example = example if isinstance(example, tuple) else (example,)
+            return
+
+        def capture(module: nn.Module, args: tuple[Any, ...]) -> None:
+            # Lightning calls the module with the training_step's arguments while `forward` is redirected to
+            # training_step (so that DDP sees one forward); only calls of the real forward carry the model's input.
+            if getattr(module.forward, "__func__", None) is not type(module).forward:
+                return
+            if self._example is None:
+                self._example = tuple(a.detach()[:2] if isinstance(a, torch.Tensor) else a for a in args)
+
+        self._hook = pl_module.register_forward_pre_hook(capture)
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        if self.importance != "taylor" or self._done:
+            return
+        for name, p in pl_module.named_parameters():
+            if p.grad is not None and p.ndim >= 1:
+                score = (p.detach() * p.grad.detach()).float()
+                previous = self._taylor.get(name)
+                self._taylor[name] = score if previous is None or previous.shape != score.shape else previous + score
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        step = trainer.global_step - 1  # the optimizer step that just ran
+        if self._done or step <= self._last_event or self._example is None:
+            return
+        start, end, frequency = self._steps
+        final = step >= end
+        if step < start or not (final or (step - start) % frequency == 0):
+            return
+        self._last_event = step
+        amount = self.amount if final else cubic_sparsity(step, final=self.amount, start=start, end=end,
+                                                          initial=self.schedule.initial_sparsity)  # fmt: skip
+        self._prune(trainer, pl_module, amount)
+        if final:
+            self._done = True
+            self._taylor.clear()
+            if self._hook is not None:
+                self._hook.remove()
+                self._hook = None
+
+    def _prune(self, trainer: L.Trainer, pl_module: L.LightningModule, amount: float) -> None:
+        from lightning_bigtrain.functional.structured import (
+            channel_groups,
+            channel_importance,
+            keep_indices,
+            remove_channels_,
+        )
+
+        assert self._example is not None
+        was_training = {m: m.training for m in pl_module.modules()}
+        pl_module.eval()  # tracing runs the model: no BatchNorm statistics update, no dropout draws
+        try:
+            groups = channel_groups(pl_module, self._example, self.ignore)
+        finally:
+            for m, mode in was_training.items():
+                m.train(mode)
+        if not self._original:
+            self._original = {g.id: g.size for g in groups}
+        if not self.groups:
+            blocked = [g for g in groups if not g.prunable]
+            if blocked:
+                reasons = sorted({f"{g.slots[0].module} ({g.blocked[0] if g.blocked else 'no producer'})"
+                                  for g in blocked})  # fmt: skip
+                warn_once(
+                    f"StructuredPruning keeps the channels of {len(blocked)} group(s) it cannot follow or must not "
+                    f"change: {'; '.join(reasons[:12])}{' ...' if len(reasons) > 12 else ''}.",
+                    BigtrainWarning,
+                )
+        self.groups = groups
+        kept: dict[int, torch.Tensor] = {}
+        for group in groups:
+            if not group.prunable:
+                continue
+            original = self._original.get(group.id, group.size)
+            target = max(1, original - math.floor(amount * original))
+            if self.round_to > 1 and target >= self.round_to:
+                target -= target % self.round_to
+            if group.size <= target:
+                continue
+            scores = channel_importance(pl_module, group, self.importance, self._taylor)
+            kept[group.id] = keep_indices(scores, count=target)
+        kept = trainer.strategy.broadcast(kept, src=0)  # every rank removes exactly rank 0's choice
+        if not kept:
+            return
+        remove_channels_(pl_module, groups, kept, trainer.optimizers)
+        for group in groups:
+            if group.id in kept:
+                group.size = kept[group.id].numel()
+        self._taylor.clear()
+        self._rewrap(trainer)
+        pl_module.log("pruning/params", float(sum(p.numel() for p in pl_module.parameters())), rank_zero_only=True)
+
+    @staticmethod
+    def _rewrap(trainer: L.Trainer) -> None:
+        from lightning.pytorch.strategies import DDPStrategy
+
+        strategy = trainer.strategy
+        if isinstance(strategy, DDPStrategy):
+            assert strategy.lightning_module is not None
+            strategy.model = strategy._setup_model(strategy.lightning_module)
+            strategy._register_ddp_hooks()
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        if self.groups:
+            checkpoint[_STRUCTURE_KEY] = {name: tuple(t.shape) for name, t in checkpoint["state_dict"].items()}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"last_event": self._last_event, "done": self._done, "original": dict(self._original)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._last_event = int(state_dict.get("last_event", -1))
+        self._done = bool(state_dict.get("done", False))
+        self._original = {int(k): int(v) for k, v in state_dict.get("original", {}).items()}
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+
+def load_pruned(cls: type[L.LightningModule], checkpoint_path: str | Path, **kwargs: Any) -> L.LightningModule:
+    """``cls.load_from_checkpoint(checkpoint_path, **kwargs)`` for a checkpoint written after
+    :class:`StructuredPruning` removed channels: the model is built from its saved hyperparameters, then resized
+    to the checkpoint's shapes before the weights load."""
+    from lightning_bigtrain.functional.structured import resize_to_state_dict_
+
+    own = "on_load_checkpoint" in cls.__dict__
+    original = cls.on_load_checkpoint
+
+    def on_load_checkpoint(self: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+        resize_to_state_dict_(self, checkpoint["state_dict"])
+        original(self, checkpoint)
+
+    cls.on_load_checkpoint = on_load_checkpoint  # type: ignore[method-assign]
+    try:
+        return cls.load_from_checkpoint(checkpoint_path, **kwargs)
+    finally:
+        if own:
+            cls.on_load_checkpoint = original  # type: ignore[method-assign]
+        else:
+            del cls.on_load_checkpoint

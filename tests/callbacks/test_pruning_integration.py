@@ -1,8 +1,10 @@
-"""MagnitudePruning in real 2-rank fits (gloo): exact sparsity, checkpoints that load into the plain class,
-N:M compliance under ZeRO-1, the report and plot, and sharded thresholds equal to unsharded ones."""
+"""Pruning callbacks in real 2-rank fits (gloo). MagnitudePruning: exact sparsity, checkpoints that load into the
+plain class, N:M compliance under ZeRO-1, the report and plot, sharded thresholds equal to unsharded ones.
+StructuredPruning: channels removed identically on both ranks, optimizer state carried, pruned checkpoints reload."""
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import lightning as L
@@ -11,7 +13,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.loggers import CSVLogger
 
-from lightning_bigtrain.callbacks import MagnitudePruning, PruningSchedule
+from lightning_bigtrain.callbacks import MagnitudePruning, PruningSchedule, StructuredPruning, load_pruned
 from lightning_bigtrain.functional.pruning import magnitude_scores, sparsity_masks
 from lightning_bigtrain.models import CharGPT, FashionCNN
 from lightning_bigtrain.strategies import ZeroStrategy
@@ -83,3 +85,61 @@ def test_magnitude_and_nm_pruning_on_two_ranks(tmp_path):
     column = header.split(",").index("pruning/sparsity")
     logged = [float(row.split(",")[column]) for row in rows if row.split(",")[column]]
     assert logged and max(logged) == pytest.approx(0.8)
+
+
+def _structured(rank: int, tmp: str) -> dict:
+    out: dict = {}
+    L.seed_everything(0, verbose=False)
+    cnn = FashionCNN(channels=(8, 16))
+    pruning = StructuredPruning(0.5, schedule=PruningSchedule(start=0, end=2, frequency=1))
+    trainer = L.Trainer(max_steps=4, strategy="ddp", callbacks=[pruning], logger=False, **_COMMON)
+    trainer.fit(cnn, datamodule=_tiny_fashion())
+    out["shapes"] = [tuple(p.shape) for p in cnn.parameters()]
+    out["weights"] = torch.cat([p.detach().reshape(-1) for p in cnn.parameters()])
+    state = trainer.optimizers[0].state
+    out["state_follows"] = all(
+        p in state and all(v.shape == p.shape for v in state[p].values() if isinstance(v, torch.Tensor) and v.ndim)
+        for p in cnn.parameters()
+    )
+    ckpt = Path(tmp) / "pruned.ckpt"
+    trainer.save_checkpoint(ckpt)
+    if rank == 0:
+        loaded = load_pruned(FashionCNN, ckpt).eval()
+        x = torch.randn(3, 1, 28, 28)
+        out["loaded_equal"] = torch.allclose(loaded(x), cnn.eval()(x))
+        try:
+            FashionCNN.load_from_checkpoint(ckpt)
+        except RuntimeError as err:
+            out["plain_load"] = str(err)[:200]
+
+    # The GPT: the MLPs' hidden units go, attention and the residual width stay (named in a warning).
+    L.seed_everything(0, verbose=False)
+    gpt = CharGPT(block_size=32, n_layer=2, n_head=2, n_embd=32, warmup_steps=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mlp_pruning = StructuredPruning(0.75, schedule=PruningSchedule(start=1, end=1))
+        trainer = L.Trainer(max_steps=3, strategy="ddp", logger=False, callbacks=[mlp_pruning], **_COMMON)
+        trainer.fit(gpt, datamodule=_tiny_shakespeare())
+    out["gpt_mlp"] = [tuple(b.mlp[0].weight.shape) for b in gpt.blocks]
+    out["gpt_qkv"] = tuple(gpt.blocks[0].attn.qkv.weight.shape)
+    out["warned"] = [str(w.message) for w in caught if "StructuredPruning keeps" in str(w.message)]
+
+    trainer = L.Trainer(max_steps=1, strategy=ZeroStrategy(stage=2), callbacks=[StructuredPruning(0.5)],
+                        logger=False, **_COMMON)  # fmt: skip
+    try:
+        trainer.fit(FashionCNN(channels=(8, 16)), datamodule=_tiny_fashion())
+    except ValueError as err:
+        out["zero_error"] = str(err)
+    return out
+
+
+def test_structured_pruning_removes_channels_on_two_ranks(tmp_path):
+    results = run_on_ranks(_structured, str(tmp_path), init_process_group=False)
+    for r in results:
+        assert r["shapes"][0] == (4, 1, 3, 3) and r["shapes"][3] == (8, 4, 3, 3) and r["shapes"][6] == (10, 8)
+        assert r["state_follows"]
+        assert r["gpt_mlp"] == [(32, 32), (32, 32)] and r["gpt_qkv"] == (96, 32)
+        assert "changes layer shapes mid-training, which ZeroStrategy cannot follow" in r["zero_error"]
+    torch.testing.assert_close(results[0]["weights"], results[1]["weights"], rtol=0, atol=0)
+    assert results[0]["loaded_equal"] and "size mismatch" in results[0]["plain_load"]
+    assert any("blocks.0.attn.qkv (split" in w for w in results[0]["warned"])

@@ -22,6 +22,7 @@ from lightning_bigtrain.callbacks import (
     MagnitudePruning,
     PruningSchedule,
     RunReport,
+    StructuredPruning,
 )
 from lightning_bigtrain.compression import Cast, OneBit, PowerSGD, Quantize, TopK
 from lightning_bigtrain.data import FashionMNISTDataModule, ShakespeareDataModule
@@ -114,6 +115,14 @@ def _prune_zero3_gpt() -> dict[str, Any]:
     pruning = MagnitudePruning(0.6, criterion="movement", schedule=PruningSchedule(start=2, end=5, frequency=1),
                                plot=False)  # fmt: skip
     return {"strategy": ZeroStrategy(stage=3, min_wrap_params=1000), "callbacks": [pruning]}
+
+
+def _structured_ddp_cnn() -> dict[str, Any]:
+    # Channels removed at steps 1, 3 (before the interruption) and 4: the resumed run rebuilds the pruned shapes.
+    return {
+        "strategy": "ddp",
+        "callbacks": [StructuredPruning(0.5, schedule=PruningSchedule(start=1, end=4, frequency=2))],
+    }
 
 
 def _ddp_with_report() -> dict[str, Any]:
@@ -271,6 +280,18 @@ SETTINGS: tuple[Setting, ...] = (
         ),
     ),
     Setting(name="prune_zero3_gpt", model=_tiny_gpt, data=_tiny_shakespeare, trainer_kwargs=_prune_zero3_gpt),
+    Setting(
+        name="structured_ddp_cnn",
+        model=_tiny_cnn,
+        data=_tiny_fashion,
+        trainer_kwargs=_structured_ddp_cnn,
+        bad_inputs=(
+            BadInput("amount_one", lambda: StructuredPruning(1.0), ValueError,
+                     r"StructuredPruning\(amount=1.0\): must be a fraction in \[0, 1\)"),
+            BadInput("importance", lambda: StructuredPruning(0.5, importance="l1"), ValueError,  # type: ignore[arg-type]
+                     r"StructuredPruning\(importance='l1'\)"),
+        ),
+    ),
 )  # fmt: skip
 
 

@@ -1,0 +1,553 @@
+"""Structured pruning: find which channels of a model are coupled, score them, and remove them physically.
+
+A *channel group* is a set of channels that must be removed together for the model to stay consistent: the
+output channels of a convolution or linear layer (its *producer*), the input slices of every layer that reads
+them (*consumers*, also through pooling, flattening and concatenation), the BatchNorm that normalizes them,
+and every other producer joined to them by a residual addition. Groups are found by tracing the model with
+``torch.fx`` on an example input and following each tensor's channel dimension through the graph.
+
+Anything the tracer cannot follow makes the groups it touches *blocked* (never pruned) with the reason
+recorded, so removal is safe by construction: operations whose output at a zero channel is not zero
+(sigmoid, LayerNorm's statistics across channels), reshapes that mix channels (attention heads), untracked
+tensors added to a group, and the model's output. Removing a group's channels gives the same outputs as
+zeroing them (:func:`mask_channels_`), which the tests check.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+from torch import nn
+from torch.fx.passes.shape_prop import ShapeProp
+
+__all__ = [
+    "ChannelGroup",
+    "Slot",
+    "channel_groups",
+    "channel_importance",
+    "keep_indices",
+    "mask_channels_",
+    "remove_channels_",
+    "resize_to_state_dict_",
+]
+
+# Modules and functions with f(0) = 0, acting on each channel separately: a zeroed channel stays zero.
+_PASS_MODULES: tuple[type[nn.Module], ...] = (
+    nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Hardtanh, nn.Identity,
+    nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.MaxPool1d, nn.MaxPool2d, nn.AvgPool1d, nn.AvgPool2d,
+    nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d,
+)  # fmt: skip
+_PASS_FUNCTIONS: set[Any] = {
+    F.relu, F.relu6, F.leaky_relu, F.gelu, F.silu, F.tanh, F.hardtanh, F.dropout, F.max_pool2d, F.avg_pool2d,
+    F.adaptive_avg_pool2d, F.adaptive_max_pool2d, torch.relu, torch.tanh, torch.nn.functional.dropout2d,
+}  # fmt: skip
+_PASS_METHODS = {"relu", "relu_", "tanh", "contiguous", "clone", "detach"}
+_REDUCTIONS = {"mean", "sum", "amax"}
+_ADDS = {operator.add, operator.iadd, operator.sub, torch.add, torch.sub}
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One place where a group's channel index applies.
+
+    Attributes:
+        module: Qualified name of the module.
+        kind: ``"out"`` (a producer's output channels: dim 0 of weight and bias), ``"in"`` (a consumer's input
+            features: dim 1 of its weight), ``"norm"`` (a BatchNorm's per-channel parameters and statistics).
+        offset: Where the group's first feature sits in that dimension (concatenation moves it).
+        block: Features per channel along that dimension (a flattened ``C x H x W`` map gives ``H * W``).
+    """
+
+    module: str
+    kind: str
+    offset: int = 0
+    block: int = 1
+
+
+@dataclass
+class ChannelGroup:
+    """Channels removed together: ``size`` of them, at every slot in ``slots``."""
+
+    id: int
+    size: int
+    slots: list[Slot] = field(default_factory=list)
+    blocked: list[str] = field(default_factory=list)
+
+    @property
+    def prunable(self) -> bool:
+        return not self.blocked and any(s.kind == "out" for s in self.slots)
+
+
+@dataclass(frozen=True)
+class _Seg:
+    group: int | None  # None: fixed channels (from an untracked tensor inside a concatenation)
+    size: int
+    block: int = 1
+
+
+@dataclass(frozen=True)
+class _Value:
+    dim: int  # the channel dimension (non-negative)
+    segs: tuple[_Seg, ...]
+
+
+class _Groups:
+    def __init__(self) -> None:
+        self.parent: list[int] = []
+        self.groups: list[ChannelGroup] = []
+
+    def new(self, size: int, slot: Slot) -> int:
+        gid = len(self.groups)
+        self.parent.append(gid)
+        self.groups.append(ChannelGroup(gid, size, [slot]))
+        return gid
+
+    def find(self, gid: int) -> int:
+        while self.parent[gid] != gid:
+            self.parent[gid] = self.parent[self.parent[gid]]
+            gid = self.parent[gid]
+        return gid
+
+    def union(self, a: int, b: int) -> None:
+        ra, rb = self.find(a), self.find(b)
+        if ra != rb:
+            self.parent[rb] = ra
+            self.groups[ra].slots += self.groups[rb].slots
+            self.groups[ra].blocked += self.groups[rb].blocked
+
+    def block(self, value: _Value | None, reason: str) -> None:
+        if value is None:
+            return
+        for seg in value.segs:
+            if seg.group is not None:
+                group = self.groups[self.find(seg.group)]
+                if reason not in group.blocked:
+                    group.blocked.append(reason)
+
+    def add_slot(self, value: _Value, module: str, kind: str) -> None:
+        offset = 0
+        for seg in value.segs:
+            if seg.group is not None:
+                self.groups[self.find(seg.group)].slots.append(Slot(module, kind, offset, seg.block))
+            offset += seg.size * seg.block
+
+    def result(self) -> list[ChannelGroup]:
+        out = []
+        for gid, group in enumerate(self.groups):
+            if self.find(gid) == gid:
+                group.slots = list(dict.fromkeys(group.slots))
+                out.append(group)
+        return out
+
+
+def _shape(node: Any) -> tuple[int, ...] | None:
+    meta = getattr(node, "meta", {}).get("tensor_meta") if isinstance(node, torch.fx.Node) else None
+    return tuple(meta.shape) if meta is not None and hasattr(meta, "shape") else None
+
+
+def channel_groups(
+    model: nn.Module, example_args: Sequence[Any], ignore: Iterable[str] = (), tracer: Callable | None = None
+) -> list[ChannelGroup]:
+    """The channel groups of ``model`` (traced with ``torch.fx`` on ``example_args``).
+
+    Args:
+        model: Any module ``torch.fx.symbolic_trace`` can trace.
+        example_args: Positional arguments of ``model.forward`` (shapes are propagated on them).
+        ignore: Names of modules whose output channels must be kept (e.g. a layer shared with another model).
+        tracer: Optional replacement for ``torch.fx.symbolic_trace``.
+
+    Returns:
+        Every group, prunable or blocked (``ChannelGroup.blocked`` says why).
+    """
+    untraced: list[str] = []
+    found = _groups_of(model, tuple(example_args), set(ignore), tracer or torch.fx.symbolic_trace, "", untraced)
+    for i, group in enumerate(found):
+        group.id = i
+    if not any(g.prunable for g in found) and untraced:
+        raise ValueError(
+            f"StructuredPruning could not trace {type(model).__name__} with torch.fx, nor any submodule with "
+            f"channels to prune ({'; '.join(untraced[:3])}). Data-dependent control flow or shape unpacking in "
+            "forward cannot be followed."
+        )
+    return found
+
+
+def _groups_of(
+    model: nn.Module, args: tuple[Any, ...], ignored: set[str], tracer: Callable, prefix: str, untraced: list[str]
+) -> list[ChannelGroup]:
+    """Groups of ``model``; where it cannot be traced whole, those of each child, traced on the arguments it
+    receives in one forward pass (channels crossing a child's boundary are then left alone)."""
+    try:
+        graph_module = tracer(model)
+    except Exception as err:
+        untraced.append(f"{prefix or type(model).__name__}: {type(err).__name__}: {str(err).splitlines()[0][:120]}")
+        children = _callable_children(model)
+        if not children:
+            return []
+        captured: dict[str, tuple[Any, ...]] = {}
+        handles = [
+            child.register_forward_pre_hook(lambda _m, a, name=name: captured.setdefault(name, a))
+            for name, child in children.items()
+        ]
+        try:
+            with torch.no_grad():
+                model(*args)
+        finally:
+            for handle in handles:
+                handle.remove()
+        found: list[ChannelGroup] = []
+        for name, child in children.items():
+            if name in captured and any(True for _ in child.parameters()):
+                found += _groups_of(child, captured[name], ignored, tracer, f"{prefix}{name}.", untraced)
+        return found
+    groups = _trace_groups(graph_module, args, {i[len(prefix) :] for i in ignored if i.startswith(prefix)})
+    for group in groups:
+        group.slots = [Slot(prefix + s.module, s.kind, s.offset, s.block) for s in group.slots]
+    return groups
+
+
+def _callable_children(model: nn.Module, prefix: str = "") -> dict[str, nn.Module]:
+    """Direct children, with containers that are never called themselves (ModuleList, ModuleDict) opened."""
+    out: dict[str, nn.Module] = {}
+    for name, child in model.named_children():
+        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+            out.update(_callable_children(child, f"{prefix}{name}."))
+        else:
+            out[f"{prefix}{name}"] = child
+    return out
+
+
+def _trace_groups(
+    graph_module: torch.fx.GraphModule, example_args: tuple[Any, ...], ignored: set[str]
+) -> list[ChannelGroup]:
+    with torch.no_grad():
+        ShapeProp(graph_module).propagate(*example_args)
+    modules = dict(graph_module.named_modules())
+    groups = _Groups()
+    values: dict[torch.fx.Node, _Value | None] = {}
+
+    def val(arg: Any) -> _Value | None:
+        return values.get(arg) if isinstance(arg, torch.fx.Node) else None
+
+    def tensor_inputs(node: torch.fx.Node) -> list[_Value]:
+        found: list[_Value] = []
+        torch.fx.node.map_arg((node.args, node.kwargs), lambda a: found.append(v) if (v := val(a)) else None)
+        return found
+
+    for node in graph_module.graph.nodes:
+        shape = _shape(node)
+        out: _Value | None = None
+        inputs = tensor_inputs(node)
+        first = val(node.args[0]) if node.args else None
+        if node.op == "call_module":
+            module = modules[str(node.target)]
+            name = str(node.target)
+            if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)):
+                in_dim = 1 if isinstance(module, nn.Conv1d | nn.Conv2d | nn.Conv3d) else len(shape or (0,)) - 1
+                grouped_conv = getattr(module, "groups", 1) != 1
+                if first is not None:
+                    if first.dim != in_dim or grouped_conv:
+                        groups.block(first, f"{name} reads them along another dimension or in groups")
+                    else:
+                        groups.add_slot(first, name, "in")
+                size = module.out_channels if not isinstance(module, nn.Linear) else module.out_features
+                gid = groups.new(size, Slot(name, "out"))
+                out = _Value(in_dim, (_Seg(gid, size),))
+                if name in ignored:
+                    groups.block(out, f"{name} is in `ignore`")
+                elif grouped_conv:
+                    groups.block(out, f"{name} is a grouped convolution")
+            elif isinstance(module, (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)):
+                if first is not None and first.dim == 1 and all(s.block == 1 for s in first.segs):
+                    groups.add_slot(first, name, "norm")
+                    out = first
+                else:
+                    groups.block(first, f"{name} normalizes them in an unexpected layout")
+            elif isinstance(module, _PASS_MODULES):
+                out = first
+            else:
+                for v in inputs:
+                    groups.block(v, f"{name} ({type(module).__name__}) is not followed by the pruner")
+        elif node.op in ("call_function", "call_method"):
+            target = node.target
+            if target in _ADDS and len(node.args) == 2:
+                a, b = (val(x) for x in node.args)
+                if a is not None and b is not None:
+                    if a.dim == b.dim and [(s.size, s.block, s.group is None) for s in a.segs] == [
+                        (s.size, s.block, s.group is None) for s in b.segs
+                    ]:
+                        for sa, sb in zip(a.segs, b.segs, strict=True):
+                            if sa.group is not None and sb.group is not None:
+                                groups.union(sa.group, sb.group)
+                        out = a
+                    else:
+                        groups.block(a, f"{node.name} adds tensors laid out differently")
+                        groups.block(b, f"{node.name} adds tensors laid out differently")
+                elif isinstance(node.args[1], (int, float)) or isinstance(node.args[0], (int, float)):
+                    out = a or b
+                else:
+                    groups.block(a or b, f"{node.name} adds a tensor the pruner does not follow")
+            elif (
+                target in (operator.mul, operator.truediv, torch.mul)
+                and len(node.args) == 2
+                and any(isinstance(x, (int, float)) for x in node.args)
+            ):
+                out = next((v for v in (val(x) for x in node.args) if v is not None), None)
+            elif target in _PASS_FUNCTIONS or (node.op == "call_method" and target in _PASS_METHODS):
+                out = first
+            elif target in (torch.flatten,) or (node.op == "call_method" and target in ("flatten", "view", "reshape")):
+                out = _flatten(first, _shape(node.args[0]), shape)
+                if out is None:
+                    groups.block(first, f"{node.name} ({target}) reshapes them")
+            elif (node.op == "call_method" and target in _REDUCTIONS) or target in (torch.mean, torch.sum, torch.amax):
+                out = _reduce(node, first, _shape(node.args[0]))
+                if out is None:
+                    groups.block(first, f"{node.name} reduces across them")
+            elif target is torch.cat:
+                out = _concat(node, values, groups)
+            elif target in (getattr, "size", "dim"):
+                out = None  # shapes and attributes: no channel flows on
+            else:
+                for v in inputs:
+                    groups.block(v, f"{node.name} ({getattr(target, '__name__', target)}) is not followed")
+        elif node.op == "output":
+            for v in inputs:
+                groups.block(v, "they are the model's output")
+        values[node] = out
+    return groups.result()
+
+
+def _flatten(value: _Value | None, before: tuple[int, ...] | None, after: tuple[int, ...] | None) -> _Value | None:
+    if value is None or before is None or after is None:
+        return value
+    if value.dim != 1 or len(after) != 2 or after[0] != before[0] or after[1] != math.prod(before[1:]):
+        return None
+    spatial = math.prod(before[2:])
+    return _Value(1, tuple(_Seg(s.group, s.size, s.block * spatial) for s in value.segs))
+
+
+def _reduce(node: torch.fx.Node, value: _Value | None, before: tuple[int, ...] | None) -> _Value | None:
+    if value is None or before is None:
+        return value
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    if dims is None:
+        return None
+    dims = (dims,) if isinstance(dims, int) else tuple(dims)
+    dims = tuple(d % len(before) for d in dims)
+    if value.dim in dims or any(s.block != 1 for s in value.segs):
+        return None
+    keepdim = node.kwargs.get("keepdim", len(node.args) > 2 and node.args[2])
+    return _Value(value.dim if keepdim else value.dim - sum(d < value.dim for d in dims), value.segs)
+
+
+def _concat(node: torch.fx.Node, values: dict[torch.fx.Node, _Value | None], groups: _Groups) -> _Value | None:
+    tensors = node.args[0]
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    shapes = [_shape(t) for t in tensors]  # type: ignore[union-attr]
+    if any(s is None for s in shapes):
+        return None
+    rank = len(shapes[0])  # type: ignore[arg-type]
+    dim = int(dim) % rank
+    segs: list[_Seg] = []
+    for t, s in zip(tensors, shapes, strict=True):  # type: ignore[arg-type]
+        v = values.get(t)
+        if v is not None and v.dim == dim:
+            segs += v.segs
+        else:
+            if v is not None:
+                groups.block(v, f"{node.name} concatenates along another dimension")
+            segs.append(_Seg(None, s[dim]))  # type: ignore[index]
+    return _Value(dim, tuple(segs))
+
+
+def channel_importance(
+    model: nn.Module, group: ChannelGroup, criterion: str = "l2", grads: dict[str, torch.Tensor] | None = None
+) -> torch.Tensor:
+    """Importance of each of the group's channels (higher is kept).
+
+    ``"l2"``: the L2 norm of all weights attached to the channel across the group's producers, consumers and
+    norms (filter norms, Li et al., 2017, extended over the coupled layers). ``"taylor"``: first-order Taylor
+    importance, the squared sum of ``w * grad`` over those weights (Molchanov et al., 2019), from ``grads``
+    (accumulated ``(w * grad)`` per parameter name, see :class:`StructuredPruning`).
+    """
+    total = torch.zeros(group.size, dtype=torch.float64)
+    for slot in group.slots:
+        module = model.get_submodule(slot.module)
+        for pname, param in module.named_parameters(recurse=False):
+            source = param.detach() if criterion == "l2" else (grads or {}).get(f"{slot.module}.{pname}")
+            if source is None:
+                continue
+            if slot.kind in ("out", "norm"):
+                per = source.reshape(source.shape[0], -1)[slot.offset : slot.offset + group.size * slot.block]
+                per = per.reshape(group.size, -1)
+            elif param.ndim >= 2:
+                cols = source.transpose(0, 1).reshape(source.shape[1], -1)
+                per = cols[slot.offset : slot.offset + group.size * slot.block].reshape(group.size, -1)
+            else:
+                continue
+            per = per.double()
+            total += per.pow(2).sum(1) if criterion == "l2" else per.sum(1).pow(2)
+    return total.sqrt() if criterion == "l2" else total
+
+
+def keep_indices(
+    importance: torch.Tensor, amount: float = 0.0, *, count: int | None = None, round_to: int = 1
+) -> torch.Tensor:
+    """Indices (ascending) of the channels kept when removing the fraction ``amount`` of lowest importance (or
+    keeping exactly ``count``). At least one channel is kept; the kept count is rounded down to a multiple of
+    ``round_to`` where possible."""
+    size = importance.numel()
+    keep = count if count is not None else size - math.floor(amount * size + 1e-9)
+    keep = max(1, min(size, keep))
+    if round_to > 1 and keep >= round_to:
+        keep -= keep % round_to
+    order = torch.argsort(importance, descending=True, stable=True)
+    return order[:keep].sort().values
+
+
+def _positions(segments: list[tuple[int, int, int, torch.Tensor | None]], length: int) -> torch.Tensor:
+    """Kept positions along a dimension of ``length`` made of segments ``(offset, size, block, keep)``."""
+    keep = torch.ones(length, dtype=torch.bool)
+    for offset, size, block, kept in segments:
+        if kept is None:
+            continue
+        drop = torch.ones(size, dtype=torch.bool)
+        drop[kept] = False
+        keep[offset : offset + size * block] = ~drop.repeat_interleave(block)
+    return keep.nonzero().reshape(-1)
+
+
+def _plan(
+    groups: Sequence[ChannelGroup], kept: dict[int, torch.Tensor]
+) -> dict[tuple[str, str], list[tuple[int, int, int, torch.Tensor | None]]]:
+    plan: dict[tuple[str, str], list[tuple[int, int, int, torch.Tensor | None]]] = {}
+    for group in groups:
+        if group.id not in kept:
+            continue
+        for slot in group.slots:
+            plan.setdefault((slot.module, slot.kind), []).append((slot.offset, group.size, slot.block, kept[group.id]))
+    return plan
+
+
+@torch.no_grad()
+def mask_channels_(model: nn.Module, groups: Sequence[ChannelGroup], kept: dict[int, torch.Tensor]) -> None:
+    """Zero the removed channels in place without changing shapes (the reference for :func:`remove_channels_`):
+    producers' output rows and biases, and BatchNorm's scale and shift."""
+    for (name, kind), segments in _plan(groups, kept).items():
+        if kind == "in":
+            continue
+        module = model.get_submodule(name)
+        rows = _positions(segments, module.weight.shape[0])
+        drop = torch.ones(module.weight.shape[0], dtype=torch.bool)
+        drop[rows] = False
+        for param in (module.weight, getattr(module, "bias", None)):
+            if param is not None:
+                param[drop] = 0
+
+
+def remove_channels_(
+    model: nn.Module,
+    groups: Sequence[ChannelGroup],
+    kept: dict[int, torch.Tensor],
+    optimizers: Sequence[torch.optim.Optimizer] = (),
+) -> dict[str, tuple[int, ...]]:
+    """Remove every channel not in ``kept[group.id]`` from the model, in place.
+
+    Changed parameters are replaced by new ones (fresh autograd leaves) in the modules and in ``optimizers``,
+    whose state tensors shaped like the parameter (momentum, Adam's moments) are sliced the same way.
+
+    Returns:
+        The new shape of every changed parameter or buffer, by qualified name.
+    """
+    plan = _plan(groups, kept)
+    selections: dict[str, list[tuple[int, torch.Tensor]]] = {}  # param name -> [(dim, index)]
+    for (name, kind), segments in plan.items():
+        module = model.get_submodule(name)
+        length = module.weight.shape[1 if kind == "in" else 0]
+        index = _positions(segments, length)
+        dim = 1 if kind == "in" else 0
+        for pname, tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+            if tensor is None or tensor.ndim <= dim or (kind == "in" and pname != "weight"):
+                continue
+            if kind != "in" and tensor.shape[0] != length:
+                continue  # e.g. BatchNorm's num_batches_tracked
+            selections.setdefault(f"{name}.{pname}", []).append((dim, index))
+        _update_attributes(module, kind, index.numel())
+    changed: dict[str, tuple[int, ...]] = {}
+    with torch.no_grad():
+        for qualified, picks in selections.items():
+            module_name, _, attr = qualified.rpartition(".")
+            owner = model.get_submodule(module_name)
+
+            def select(t: torch.Tensor, picks: list[tuple[int, torch.Tensor]] = picks) -> torch.Tensor:
+                for dim, index in picks:
+                    t = t.index_select(dim, index.to(t.device))
+                return t.contiguous()
+
+            if attr in owner._buffers:
+                owner._buffers[attr] = select(owner._buffers[attr])  # type: ignore[arg-type]
+                changed[qualified] = tuple(owner._buffers[attr].shape)  # type: ignore[union-attr]
+                continue
+            old = owner._parameters[attr]
+            assert old is not None
+            # A new leaf: autograd (and DDP's reducer) cache per-parameter accumulators holding the old shape.
+            new = nn.Parameter(select(old.detach()), requires_grad=old.requires_grad)
+            owner._parameters[attr] = new
+            for optimizer in optimizers:
+                for group in optimizer.param_groups:
+                    group["params"] = [new if p is old else p for p in group["params"]]
+                if old in optimizer.state:
+                    entry = optimizer.state.pop(old)
+                    optimizer.state[new] = {
+                        k: select(v) if isinstance(v, torch.Tensor) and v.shape == old.shape else v
+                        for k, v in entry.items()
+                    }
+            changed[qualified] = tuple(new.shape)
+    return changed
+
+
+def _update_attributes(module: nn.Module, kind: str, size: int) -> None:
+    if isinstance(module, nn.Linear):
+        if kind == "in":
+            module.in_features = size
+        else:
+            module.out_features = size
+    elif isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+        if kind == "in":
+            module.in_channels = size
+        else:
+            module.out_channels = size
+    elif isinstance(module, (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)):
+        module.num_features = size
+
+
+@torch.no_grad()
+def resize_to_state_dict_(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> list[str]:
+    """Give ``model``'s parameters and buffers the shapes they have in ``state_dict`` (a pruned checkpoint), and
+    update the layers' size attributes, so that ``load_state_dict`` then succeeds. Returns the resized names."""
+    resized = []
+    tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    for name, saved in state_dict.items():
+        tensor = tensors.get(name)
+        if tensor is None or not isinstance(saved, torch.Tensor) or tuple(saved.shape) == tuple(tensor.shape):
+            continue
+        if tensor.ndim != saved.ndim:
+            raise ValueError(f"resize_to_state_dict_: `{name}` is {tuple(tensor.shape)} here, {tuple(saved.shape)} "
+                             "in the checkpoint; only channel counts can differ.")  # fmt: skip
+        tensor.data = torch.zeros(saved.shape, dtype=tensor.dtype, device=tensor.device)
+        resized.append(name)
+        module_name, _, pname = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        if pname == "weight" and isinstance(module, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+            _update_attributes(module, "out", saved.shape[0])
+            _update_attributes(module, "in", saved.shape[1] * getattr(module, "groups", 1))
+        elif isinstance(module, (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)):
+            _update_attributes(module, "norm", saved.shape[0])
+    return resized
