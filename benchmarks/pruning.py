@@ -1,0 +1,251 @@
+"""Pruning: accuracy at 50/80/90% sparsity vs Lightning's ModelPruning, and the real speed-up of structured pruning.
+
+Fashion-MNIST, one process, 2 threads, same steps for every run (4 epochs of 150 batches of 128 images).
+- Unstructured: ``MagnitudePruning(s)`` (global magnitude, Zhu & Gupta's cubic ramp to 3/4 of the run, then
+  fine-tuning) vs ``lightning.pytorch.callbacks.ModelPruning("l1_unstructured", use_global_unstructured=True)``
+  pruning at the end of epochs 1-3 along the same cubic curve (its schedule is per epoch), on the same Conv and
+  Linear weights, vs the dense model; test accuracy.
+- Structured: ``StructuredPruning(0.5)`` (half of every prunable channel group removed along the same ramp, then
+  fine-tuning) on the CNN and on an MLP (784-1024-1024-10); CPU inference latency (batch 256, medians of
+  alternating rounds), FLOPs (``torch.utils.flop_counter``) and parameters as ratios to dense, and test
+  accuracy. The peer, ``ModelPruning("ln_structured", amount=0.5)``, masks whole filters but keeps the dense
+  shapes: its latency is measured the same way.
+- 2:4: ``MagnitudePruning(pattern="2:4")`` from the middle of the run (dense before), compliance and accuracy.
+
+    python -m benchmarks.pruning [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import RESULTS_DIR, print_table, ratio, set_flush_denormal, write_results
+
+SPARSITIES = (0.5, 0.8, 0.9)
+CNN_NM_PARAMS = ["features.4.weight", "features.8.weight", "classifier.weight"]  # the first conv has 9 inputs
+
+
+def _mlp() -> Any:
+    import lightning as L
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+    from torchmetrics.classification import MulticlassAccuracy
+
+    class MLP(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Flatten(), nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(),
+                                     nn.Linear(1024, 10))  # fmt: skip
+            self.test_acc = MulticlassAccuracy(10)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.net(x)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            return F.cross_entropy(self(x), y)
+
+        def test_step(self, batch: Any, batch_idx: int) -> None:
+            x, y = batch
+            self.test_acc(self(x), y)
+            self.log("test_acc", self.test_acc)
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    return MLP()
+
+
+def _cubic_epochs(final: float, epochs: int) -> list[float]:
+    """Cumulative sparsity after each epoch on the cubic ramp ending 3/4 through the run (ModelPruning's grid)."""
+    from lightning_bigtrain.functional.pruning import cubic_sparsity
+
+    end = round(0.75 * epochs)
+    return [cubic_sparsity(e + 1, final=final, start=0, end=end) for e in range(epochs)]
+
+
+def _model_pruning(kind: str, final: float, epochs: int, model: Any) -> Any:
+    from lightning.pytorch.callbacks import ModelPruning
+    from torch import nn
+
+    targets = [(m, "weight") for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
+    if kind == "unstructured":
+        cumulative = _cubic_epochs(final, epochs)
+
+        def amount(epoch: int) -> float:
+            # torch.nn.utils.prune takes the fraction of the *remaining* weights to prune.
+            before = cumulative[epoch - 1] if epoch > 0 else 0.0
+            return 0.0 if cumulative[epoch] <= before else 1 - (1 - cumulative[epoch]) / (1 - before)
+
+        return ModelPruning("l1_unstructured", amount=amount, parameters_to_prune=targets,
+                            use_global_unstructured=True, verbose=0)  # fmt: skip
+    outputs = [(m, "weight") for m, _ in targets if not (isinstance(m, nn.Linear) and m.out_features == 10)]
+    cumulative = _cubic_epochs(final, epochs)
+
+    def amount_structured(epoch: int) -> float:
+        before = cumulative[epoch - 1] if epoch > 0 else 0.0
+        return 0.0 if cumulative[epoch] <= before else 1 - (1 - cumulative[epoch]) / (1 - before)
+
+    return ModelPruning("ln_structured", amount=amount_structured, parameters_to_prune=outputs, pruning_dim=0,
+                        pruning_norm=2, use_global_unstructured=False, verbose=0)  # fmt: skip
+
+
+def _fit(model: Any, callbacks: list[Any], args: argparse.Namespace) -> tuple[float, float]:
+    import lightning as L
+
+    from lightning_bigtrain.data import FashionMNISTDataModule
+
+    data = FashionMNISTDataModule(batch_size=128, seed=0)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=args.epochs, limit_train_batches=args.batches,
+                        limit_val_batches=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=callbacks, num_sanity_val_steps=0)  # fmt: skip
+    start = time.perf_counter()
+    trainer.fit(model, datamodule=data)
+    seconds = time.perf_counter() - start
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, limit_test_batches=args.test_batches)  # fmt: skip
+    return float(trainer.test(model, datamodule=data, verbose=False)[0]["test_acc"]), seconds
+
+
+def _sparsity(model: Any) -> float:
+    from torch import nn
+
+    weights = [m.weight for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
+    return sum(int((w == 0).sum()) for w in weights) / sum(w.numel() for w in weights)
+
+
+def _latency(models: dict[str, Any], rounds: int, batch: int = 256) -> dict[str, float]:
+    """Median seconds per forward of a batch, in alternating rounds (order flipped every round)."""
+    import torch
+
+    x = torch.randn(batch, 1, 28, 28)
+    times: dict[str, list[float]] = {name: [] for name in models}
+    with torch.inference_mode():
+        for m in models.values():
+            m.eval()
+            for _ in range(3):
+                m(x)
+        names = list(models)
+        for r in range(rounds):
+            for name in names if r % 2 == 0 else names[::-1]:
+                start = time.perf_counter()
+                for _ in range(5):
+                    models[name](x)
+                times[name].append((time.perf_counter() - start) / 5)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def _flops(model: Any) -> int:
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    with counter, torch.no_grad():
+        model.eval()(torch.randn(1, 1, 28, 28))
+    return counter.get_total_flops()
+
+
+def _params(model: Any) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="few steps (a smoke run; figures meaningless)")
+    parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--batches", type=int, default=150, help="training batches per epoch")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.epochs, args.batches = 4, 3
+    args.test_batches = 2 if args.quick else 1.0
+
+    import lightning as L
+    import torch
+
+    from lightning_bigtrain.callbacks import MagnitudePruning, PruningSchedule, StructuredPruning
+    from lightning_bigtrain.models import FashionCNN
+
+    set_flush_denormal()
+    torch.set_num_threads(2)
+    figures: dict[str, Any] = {"config": {"epochs": args.epochs, "batches_per_epoch": args.batches,
+                                          "batch_size": 128, "threads": 2, "seed": 0}}  # fmt: skip
+    rows: list[dict[str, Any]] = []
+
+    def run(name: str, build: Any, callbacks: Any) -> tuple[Any, dict[str, Any]]:
+        L.seed_everything(0, verbose=False)
+        model = build()
+        acc, seconds = _fit(model, callbacks(model), args)
+        out = {"test_acc": acc, "sparsity": _sparsity(model), "params": _params(model), "fit_s": seconds}
+        print(f"{name}: {out}", flush=True)
+        figures[name] = out
+        return model, out
+
+    dense_cnn, dense = run("cnn_dense", FashionCNN, lambda m: [])
+    for s in SPARSITIES:
+        _, ours = run(f"cnn_magnitude_{s}", FashionCNN, lambda m, s=s: [MagnitudePruning(s, plot=False)])
+        _, peer = run(f"cnn_modelpruning_{s}", FashionCNN,
+                      lambda m, s=s: [_model_pruning("unstructured", s, args.epochs, m)])  # fmt: skip
+        rows.append({"model": "cnn", "method": f"unstructured {s:.0%}", "ours acc": ours["test_acc"],
+                     "ModelPruning acc": peer["test_acc"], "dense acc": dense["test_acc"],
+                     "ours - dense (pts)": 100 * (ours["test_acc"] - dense["test_acc"]),
+                     "ours sparsity": ours["sparsity"], "peer sparsity": peer["sparsity"]})  # fmt: skip
+
+    half = PruningSchedule(start=0.5)
+    nm_pruning = dict(pattern="2:4", schedule=half, parameters=CNN_NM_PARAMS, plot=False)
+    _, nm = run("cnn_2of4", FashionCNN, lambda m: [MagnitudePruning(**nm_pruning)])
+    rows.append({"model": "cnn", "method": "2:4 from mid-run", "ours acc": nm["test_acc"],
+                 "dense acc": dense["test_acc"], "ours - dense (pts)": 100 * (nm["test_acc"] - dense["test_acc"]),
+                 "ours sparsity": nm["sparsity"]})  # fmt: skip
+
+    structured_rows = []
+    for model_name, build in (("cnn", FashionCNN), ("mlp", _mlp)):
+        dense_model, dense_fig = (dense_cnn, dense) if model_name == "cnn" else run("mlp_dense", build, lambda m: [])
+        pruned, ours = run(f"{model_name}_structured_0.5", build, lambda m: [StructuredPruning(0.5)])
+        models = {"dense": dense_model, "ours": pruned}
+        if model_name == "cnn":
+            masked, peer = run("cnn_modelpruning_structured_0.5", build,
+                               lambda m: [_model_pruning("structured", 0.5, args.epochs, m)])  # fmt: skip
+            models["ModelPruning"] = masked
+        latency = _latency(models, rounds=5 if args.quick else 30)
+        flops = {name: _flops(m) for name, m in models.items()}
+        row = {
+            "model": model_name,
+            "latency ours/dense": ratio(latency["ours"], latency["dense"]),
+            "FLOPs ours/dense": ratio(flops["ours"], flops["dense"]),
+            "params ours/dense": ratio(_params(pruned), _params(dense_model)),
+            "speedup / FLOPs ratio": (latency["dense"] / latency["ours"]) / (flops["dense"] / flops["ours"]),
+            "acc ours - dense (pts)": 100 * (ours["test_acc"] - dense_fig["test_acc"]),
+            "dense ms/batch": 1000 * latency["dense"],
+        }
+        if "ModelPruning" in latency:
+            row["latency ModelPruning/dense"] = ratio(latency["ModelPruning"], latency["dense"])
+            row["acc ModelPruning - dense (pts)"] = 100 * (peer["test_acc"] - dense_fig["test_acc"])
+        figures[f"{model_name}_structured_summary"] = {**row, "latency_s": latency, "flops": flops}
+        structured_rows.append(row)
+
+    print("\nUnstructured and 2:4 pruning vs dense and Lightning's ModelPruning (test accuracy, one seed)")
+    table = print_table(rows, ["model", "method", "ours acc", "ModelPruning acc", "dense acc", "ours - dense (pts)",
+                               "ours sparsity", "peer sparsity"])  # fmt: skip
+    print("\nStructuredPruning(0.5) then fine-tuning: CPU inference (batch 256) as ratios to dense")
+    table2 = print_table(structured_rows, ["model", "latency ours/dense", "latency ModelPruning/dense",
+                                           "FLOPs ours/dense", "params ours/dense", "speedup / FLOPs ratio",
+                                           "acc ours - dense (pts)", "acc ModelPruning - dense (pts)",
+                                           "dense ms/batch"])  # fmt: skip
+    cnn_row = structured_rows[0]
+    headline = (f"90% unstructured: {figures['cnn_magnitude_0.9']['test_acc'] - dense['test_acc']:+.3f} acc vs dense "
+                f"(ModelPruning {figures['cnn_modelpruning_0.9']['test_acc'] - dense['test_acc']:+.3f}); structured "
+                f"CNN latency {cnn_row['latency ours/dense']:.2f}x (ModelPruning "
+                f"{cnn_row.get('latency ModelPruning/dense', float('nan')):.2f}x)")  # fmt: skip
+    write_results("pruning", {"figures": figures, "table": table, "structured_table": table2}, headline,
+                  args.results_dir)  # fmt: skip
+    return figures
+
+
+if __name__ == "__main__":
+    main()
