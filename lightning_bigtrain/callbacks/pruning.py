@@ -720,7 +720,7 @@ def load_pruned(cls: type[L.LightningModule], checkpoint_path: str | Path, **kwa
         resize_to_state_dict_(self, checkpoint["state_dict"])
         original(self, checkpoint)
 
-    cls.on_load_checkpoint = on_load_checkpoint  # type: ignore[method-assign]
+    cls.on_load_checkpoint = on_load_checkpoint  # type: ignore[method-assign,assignment]
     try:
         return cls.load_from_checkpoint(checkpoint_path, **kwargs)
     finally:

@@ -19,7 +19,7 @@ import math
 import operator
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.fx
@@ -336,27 +336,26 @@ def _flatten(value: _Value | None, before: tuple[int, ...] | None, after: tuple[
 def _reduce(node: torch.fx.Node, value: _Value | None, before: tuple[int, ...] | None) -> _Value | None:
     if value is None or before is None:
         return value
-    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
-    if dims is None:
+    raw: Any = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    if raw is None:
         return None
-    dims = (dims,) if isinstance(dims, int) else tuple(dims)
-    dims = tuple(d % len(before) for d in dims)
+    dims = tuple(int(d) % len(before) for d in ((raw,) if isinstance(raw, int) else raw))
     if value.dim in dims or any(s.block != 1 for s in value.segs):
         return None
-    keepdim = node.kwargs.get("keepdim", len(node.args) > 2 and node.args[2])
-    return _Value(value.dim if keepdim else value.dim - sum(d < value.dim for d in dims), value.segs)
+    keepdim = bool(node.kwargs.get("keepdim", len(node.args) > 2 and node.args[2]))
+    return _Value(value.dim if keepdim else value.dim - sum(int(d < value.dim) for d in dims), value.segs)
 
 
 def _concat(node: torch.fx.Node, values: dict[torch.fx.Node, _Value | None], groups: _Groups) -> _Value | None:
-    tensors = node.args[0]
-    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
-    shapes = [_shape(t) for t in tensors]  # type: ignore[union-attr]
+    tensors: Any = node.args[0]
+    dim: Any = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    shapes = [_shape(t) for t in tensors]
     if any(s is None for s in shapes):
         return None
     rank = len(shapes[0])  # type: ignore[arg-type]
     dim = int(dim) % rank
     segs: list[_Seg] = []
-    for t, s in zip(tensors, shapes, strict=True):  # type: ignore[arg-type]
+    for t, s in zip(tensors, shapes, strict=True):
         v = values.get(t)
         if v is not None and v.dim == dim:
             segs += v.segs
@@ -444,10 +443,11 @@ def mask_channels_(model: nn.Module, groups: Sequence[ChannelGroup], kept: dict[
         if kind == "in":
             continue
         module = model.get_submodule(name)
-        rows = _positions(segments, module.weight.shape[0])
-        drop = torch.ones(module.weight.shape[0], dtype=torch.bool)
+        weight = cast(torch.Tensor, module.weight)
+        rows = _positions(segments, weight.shape[0])
+        drop = torch.ones(weight.shape[0], dtype=torch.bool)
         drop[rows] = False
-        for param in (module.weight, getattr(module, "bias", None)):
+        for param in (weight, getattr(module, "bias", None)):
             if param is not None:
                 param[drop] = 0
 
@@ -470,7 +470,7 @@ def remove_channels_(
     selections: dict[str, list[tuple[int, torch.Tensor]]] = {}  # param name -> [(dim, index)]
     for (name, kind), segments in plan.items():
         module = model.get_submodule(name)
-        length = module.weight.shape[1 if kind == "in" else 0]
+        length = cast(torch.Tensor, module.weight).shape[1 if kind == "in" else 0]
         index = _positions(segments, length)
         dim = 1 if kind == "in" else 0
         for pname, tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
