@@ -2,13 +2,17 @@
 
     bigtrain demo [--output runs/demo] [--max-steps 250] [--strategy bigtrain_zero2] [--devices 2]
                   [--compression powersgd|topk|onebit|int8|int4|fp16|bf16] [--teacher runs/demo/model.ckpt]
+                  [--prune 0.5] [--prune-channels 0.5]
 
 As features land, each adds itself here, so the demo shows the plugins working together. The default
 strategy is ZeRO stage 2 (gradients and optimizer states sharded over the 2 ranks).
 ``--compression`` compresses the gradient exchange: with ``--strategy ddp`` through CompressedDDPStrategy,
 with ``bigtrain_zero1`` through ZeroStrategy(stage=1, compression=...) (stages 2 and 3 take fp16/bf16 only).
 The trained model is saved to ``<output>/model.ckpt``; ``--teacher`` distils such a checkpoint into a student
-a fifth of the demo model's depth x width (KnowledgeDistillation, T=2, alpha=0.5).
+a fifth of the demo model's depth x width (KnowledgeDistillation, T=2, alpha=0.5). ``--prune S`` prunes the
+Linear weights to sparsity S during training (MagnitudePruning: global magnitude, cubic ramp to 3/4 of the run;
+any strategy); ``--prune-channels A`` removes the fraction A of every MLP's hidden units (StructuredPruning;
+``--strategy ddp``). Both print a per-layer table at the end.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ def run_demo(
     strategy: str = "bigtrain_zero2",
     compression: str | None = None,
     teacher: str | None = None,
+    prune: float | None = None,
+    prune_channels: float | None = None,
 ) -> dict:
     """Validate, train and validate again; returns the :class:`RunReport` dictionary (on rank 0)."""
     import lightning as L
@@ -53,6 +59,16 @@ def run_demo(
         model = CharGPT(vocab_size=data.vocab_size, block_size=128, n_layer=2, n_head=2, n_embd=64)
         callbacks.append(KnowledgeDistillation(teacher, temperature=2.0, alpha=0.5))
         title = f"bigtrain demo: char-GPT student distilled from {teacher}"
+    if prune is not None:
+        from lightning_bigtrain.callbacks import MagnitudePruning
+
+        callbacks.append(MagnitudePruning(prune, plot=True))
+        title += f", pruned to {prune:.0%} sparsity"
+    if prune_channels is not None:
+        from lightning_bigtrain.callbacks import StructuredPruning
+
+        callbacks.append(StructuredPruning(prune_channels))
+        title += f", {prune_channels:.0%} of the MLP channels removed"
     report = RunReport(path=str(Path(output) / "report.md"), title=title)
     strategy_arg: Any = strategy
     if compression is not None:
@@ -108,7 +124,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--teacher", default=None, help="a CharGPT checkpoint (runs/demo/model.ckpt) to distil into a smaller student"
     )
+    parser.add_argument(
+        "--prune",
+        type=float,
+        default=None,
+        metavar="SPARSITY",
+        help="prune the Linear weights to this sparsity during training (MagnitudePruning)",
+    )
+    parser.add_argument(
+        "--prune-channels",
+        type=float,
+        default=None,
+        metavar="AMOUNT",
+        help="remove this fraction of each MLP's hidden units (StructuredPruning; --strategy ddp)",
+    )
     args = parser.parse_args(argv)
+    for flag, value in (("--prune", args.prune), ("--prune-channels", args.prune_channels)):
+        if value is not None and not 0 <= value < 1:
+            parser.error(f"{flag} {value}: must be a fraction in [0, 1).")
+    if args.prune_channels is not None and args.strategy != "ddp":
+        parser.error(
+            f"--prune-channels needs --strategy ddp: {args.strategy} cannot follow shapes that change mid-training."
+        )
     if args.max_steps < 1:
         parser.error(f"--max-steps {args.max_steps}: max-steps must be >= 1.")
     if args.compression not in (None, "fp16", "bf16") and args.strategy in ("bigtrain_zero2", "bigtrain_zero3"):
@@ -117,5 +154,6 @@ def main(argv: list[str] | None = None) -> int:
             "keeps only a slice of the reduced gradients (fp16/bf16 work there, as a low-precision reduce-scatter)."
         )
     run_demo(args.output, args.max_steps, args.devices, args.accelerator, strategy=args.strategy,
-             compression=args.compression, teacher=args.teacher)  # fmt: skip
+             compression=args.compression, teacher=args.teacher, prune=args.prune,
+             prune_channels=args.prune_channels)  # fmt: skip
     return 0

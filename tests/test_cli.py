@@ -93,10 +93,10 @@ def test_demo_runs_and_writes_its_report(tmp_path):
 
 
 @pytest.mark.integration
-def test_demo_with_compression_logs_the_compression_ratio(tmp_path):
+def test_demo_with_compression_and_pruning_logs_the_compression_ratio_and_sparsity(tmp_path):
     out = tmp_path / "demo"
     run = _bigtrain("demo", "--max-steps", "10", "--strategy", "bigtrain_zero1", "--compression", "powersgd",
-                    "--output", str(out), cwd=tmp_path)  # fmt: skip
+                    "--prune", "0.5", "--output", str(out), cwd=tmp_path)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
     assert report["strategy"].startswith("ZeroStrategy(stage=1, compression=PowerSGD(rank=4")
@@ -105,6 +105,16 @@ def test_demo_with_compression_logs_the_compression_ratio(tmp_path):
     column = header.split(",").index("compression/ratio")
     ratios = [float(line.split(",")[column]) for line in lines if line.split(",")[column]]
     assert ratios and min(ratios) > 10  # PowerSGD rank 4 on this GPT: about 20x fewer gradient bytes
+    # Pruning alongside: the per-layer table ends with the total at the target sparsity.
+    assert "MagnitudePruning" in report["callbacks"]
+    total = next(line for line in (run.stdout + run.stderr).splitlines() if line.startswith("total "))
+    assert total.split()[-1] == "50.00%"
+    assert next((out / "logs").rglob("sparsity.png")).stat().st_size > 0
+
+
+def test_demo_rejects_pruning_channels_under_zero(tmp_path):
+    run = _bigtrain("demo", "--prune-channels", "0.5", "--output", str(tmp_path), cwd=tmp_path)
+    assert run.returncode == 2 and "--prune-channels needs --strategy ddp" in run.stderr
 
 
 def test_demo_rejects_a_compressor_stage_2_cannot_carry(tmp_path):
