@@ -36,6 +36,7 @@ __all__ = [
     "mask_channels_",
     "remove_channels_",
     "resize_to_state_dict_",
+    "sync_heads_",
 ]
 
 # Modules and functions with f(0) = 0, acting on each channel separately: a zeroed channel stays zero.
@@ -168,6 +169,7 @@ def channel_groups(
     """
     untraced: list[str] = []
     found = _groups_of(model, tuple(example_args), set(ignore), tracer or torch.fx.symbolic_trace, "", untraced)
+    found += _head_groups(model)
     for i, group in enumerate(found):
         group.id = i
     if not any(g.prunable for g in found) and untraced:
@@ -211,6 +213,33 @@ def _groups_of(
     for group in groups:
         group.slots = [Slot(prefix + s.module, s.kind, s.offset, s.block) for s in group.slots]
     return groups
+
+
+def _head_groups(model: nn.Module) -> list[ChannelGroup]:
+    """One group per attention module that declares its heads: an integer ``n_head`` and a ``head_slots()`` method
+    returning ``(submodule, "out" | "in", offset, head_dim)`` tuples (see ``CharGPT``'s attention). Removing a head
+    removes its query/key/value rows and its output-projection columns; the module's ``n_head`` is then updated,
+    and its ``forward`` must use ``n_head`` (not the model width) for the heads' total width."""
+    groups = []
+    for name, module in model.named_modules():
+        slots_of = getattr(module, "head_slots", None)
+        if callable(slots_of) and isinstance(getattr(module, "n_head", None), int):
+            prefix = f"{name}." if name else ""
+            slots = [Slot(prefix + sub, kind, offset, block) for sub, kind, offset, block in slots_of()]
+            groups.append(ChannelGroup(-1, int(module.n_head), slots))
+    return groups
+
+
+def sync_heads_(model: nn.Module) -> None:
+    """Set ``n_head`` of every module declaring its heads from its (pruned or resized) weights."""
+    for name, module in model.named_modules():
+        slots_of = getattr(module, "head_slots", None)
+        if not (callable(slots_of) and isinstance(getattr(module, "n_head", None), int)):
+            continue
+        sub, kind, _, block = slots_of()[0]
+        same = sum(1 for s in slots_of() if s[0] == sub and s[1] == kind)
+        weight = cast(torch.Tensor, module.get_submodule(sub).weight)
+        module.n_head = weight.shape[1 if kind == "in" else 0] // (same * block)
 
 
 def _callable_children(model: nn.Module, prefix: str = "") -> dict[str, nn.Module]:
@@ -510,6 +539,7 @@ def remove_channels_(
                         for k, v in entry.items()
                     }
             changed[qualified] = tuple(new.shape)
+    sync_heads_(model)
     return changed
 
 
@@ -550,4 +580,5 @@ def resize_to_state_dict_(model: nn.Module, state_dict: dict[str, torch.Tensor])
             _update_attributes(module, "in", saved.shape[1] * getattr(module, "groups", 1))
         elif isinstance(module, (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)):
             _update_attributes(module, "norm", saved.shape[0])
+    sync_heads_(model)
     return resized

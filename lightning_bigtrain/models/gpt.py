@@ -14,21 +14,32 @@ __all__ = ["Block", "CausalSelfAttention", "CharGPT"]
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention through ``scaled_dot_product_attention``."""
+    """Multi-head causal self-attention through ``scaled_dot_product_attention``.
+
+    The heads' total width ``n_head * head_dim`` may be smaller than ``n_embd`` once heads are pruned
+    (:meth:`head_slots` tells :class:`~lightning_bigtrain.callbacks.StructuredPruning` where each head lives)."""
 
     def __init__(self, n_embd: int, n_head: int, dropout: float = 0.0) -> None:
         super().__init__()
         self.n_head = n_head
+        self.head_dim = n_embd // n_head
         self.qkv = nn.Linear(n_embd, 3 * n_embd)
         self.proj = nn.Linear(n_embd, n_embd)
         self.dropout = dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.qkv(x).split(c, dim=2)
-        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        b, t, _ = x.shape
+        inner = self.n_head * self.head_dim
+        q, k, v = self.qkv(x).split(inner, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, self.head_dim).transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
-        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+        return self.proj(y.transpose(1, 2).reshape(b, t, inner))
+
+    def head_slots(self) -> list[tuple[str, str, int, int]]:
+        """``(submodule, "out" | "in", offset, head_dim)`` for every place the heads' weights sit, in head order:
+        the query, key and value rows of ``qkv`` and the input columns of ``proj``."""
+        inner = self.n_head * self.head_dim
+        return [("qkv", "out", i * inner, self.head_dim) for i in range(3)] + [("proj", "in", 0, self.head_dim)]
 
 
 class Block(nn.Module):

@@ -112,7 +112,7 @@ def _structured(rank: int, tmp: str) -> dict:
         except RuntimeError as err:
             out["plain_load"] = str(err)[:200]
 
-    # The GPT: the MLPs' hidden units go, attention and the residual width stay (named in a warning).
+    # The GPT: the MLPs' hidden units and whole heads go; the residual width stays (named in a warning).
     L.seed_everything(0, verbose=False)
     gpt = CharGPT(block_size=32, n_layer=2, n_head=2, n_embd=32, warmup_steps=2)
     with warnings.catch_warnings(record=True) as caught:
@@ -122,6 +122,7 @@ def _structured(rank: int, tmp: str) -> dict:
         trainer.fit(gpt, datamodule=_tiny_shakespeare())
     out["gpt_mlp"] = [tuple(b.mlp[0].weight.shape) for b in gpt.blocks]
     out["gpt_qkv"] = tuple(gpt.blocks[0].attn.qkv.weight.shape)
+    out["gpt_heads"] = [b.attn.n_head for b in gpt.blocks]
     out["warned"] = [str(w.message) for w in caught if "StructuredPruning keeps" in str(w.message)]
 
     trainer = L.Trainer(max_steps=1, strategy=ZeroStrategy(stage=2), callbacks=[StructuredPruning(0.5)],
@@ -138,8 +139,8 @@ def test_structured_pruning_removes_channels_on_two_ranks(tmp_path):
     for r in results:
         assert r["shapes"][0] == (4, 1, 3, 3) and r["shapes"][3] == (8, 4, 3, 3) and r["shapes"][6] == (10, 8)
         assert r["state_follows"]
-        assert r["gpt_mlp"] == [(32, 32), (32, 32)] and r["gpt_qkv"] == (96, 32)
+        assert r["gpt_mlp"] == [(32, 32), (32, 32)] and r["gpt_qkv"] == (48, 32) and r["gpt_heads"] == [1, 1]
         assert "changes layer shapes mid-training, which ZeroStrategy cannot follow" in r["zero_error"]
     torch.testing.assert_close(results[0]["weights"], results[1]["weights"], rtol=0, atol=0)
     assert results[0]["loaded_equal"] and "size mismatch" in results[0]["plain_load"]
-    assert any("blocks.0.attn.qkv (split" in w for w in results[0]["warned"])
+    assert any("blocks.0.mlp.2 (add_1 adds a tensor" in w for w in results[0]["warned"])

@@ -113,7 +113,10 @@ def test_untraceable_parts_are_left_alone_and_named():
     gpt = CharGPT(block_size=16, n_layer=1, n_head=2, n_embd=16).eval()
     groups = channel_groups(gpt, (torch.randint(0, 96, (2, 16)),))
     prunable = [g for g in groups if g.prunable]
-    assert [{s.module for s in g.slots} for g in prunable] == [{"blocks.0.mlp.0", "blocks.0.mlp.2"}]
+    assert [{s.module for s in g.slots} for g in prunable] == [
+        {"blocks.0.mlp.0", "blocks.0.mlp.2"},
+        {"blocks.0.attn.qkv", "blocks.0.attn.proj"},  # the heads, declared by the attention module
+    ]
     qkv = next(g for g in groups if any(s.module == "blocks.0.attn.qkv" for s in g.slots))
     assert "split" in qkv.blocked[0]
     gated = channel_groups(_Gated(), (torch.randn(2, 8),))
@@ -155,3 +158,29 @@ def test_keep_indices_keeps_the_most_important():
     assert keep_indices(torch.tensor([0.1, 5.0, 0.3, 2.0]), 0.5).tolist() == [1, 3]
     assert keep_indices(torch.tensor([1.0, 2.0]), 0.99).tolist() == [1]  # never empties a layer
     assert keep_indices(torch.rand(20), count=13, round_to=8).numel() == 8
+
+
+def test_whole_attention_heads_are_removed():
+    """Heads declared through ``head_slots``: removing two of four gives the outputs of zeroing their query, key
+    and value rows (a zero head attends uniformly to zero values); ``n_head`` follows, also after resizing a
+    fresh model to the pruned state dict."""
+    torch.manual_seed(0)
+    gpt = CharGPT(block_size=16, n_layer=2, n_head=4, n_embd=32).eval()
+    x = torch.randint(0, 96, (2, 16))
+    groups = channel_groups(gpt, (x,))
+    heads = [g for g in groups if g.prunable and g.size == 4]
+    assert len(heads) == 2 and all(s.block == 8 for g in heads for s in g.slots)
+    kept = {g.id: torch.tensor([0, 3]) for g in heads}
+    masked = copy.deepcopy(gpt)
+    mask_channels_(masked, groups, kept)
+    remove_channels_(gpt, groups, kept)
+    assert [b.attn.n_head for b in gpt.blocks] == [2, 2]
+    assert gpt.blocks[0].attn.qkv.weight.shape == (48, 32) and gpt.blocks[0].attn.proj.weight.shape == (32, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(gpt(x), masked(x), rtol=1e-4, atol=1e-5)
+    fresh = CharGPT(block_size=16, n_layer=2, n_head=4, n_embd=32).eval()
+    resize_to_state_dict_(fresh, gpt.state_dict())
+    fresh.load_state_dict(gpt.state_dict())
+    assert [b.attn.n_head for b in fresh.blocks] == [2, 2]
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(x), gpt(x))
