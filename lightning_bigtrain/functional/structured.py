@@ -232,7 +232,7 @@ def _head_groups(model: nn.Module) -> list[ChannelGroup]:
 
 def sync_heads_(model: nn.Module) -> None:
     """Set ``n_head`` of every module declaring its heads from its (pruned or resized) weights."""
-    for name, module in model.named_modules():
+    for module in model.modules():
         slots_of = getattr(module, "head_slots", None)
         if not (callable(slots_of) and isinstance(getattr(module, "n_head", None), int)):
             continue
