@@ -8,8 +8,9 @@ and every other producer joined to them by a residual addition. Groups are found
 
 Anything the tracer cannot follow makes the groups it touches *blocked* (never pruned) with the reason
 recorded, so removal is safe by construction: operations whose output at a zero channel is not zero
-(sigmoid, LayerNorm's statistics across channels), reshapes that mix channels (attention heads), untracked
-tensors added to a group, and the model's output. Removing a group's channels gives the same outputs as
+(sigmoid, LayerNorm's statistics across channels), reshapes that mix channels, untracked tensors added to a
+group, and the model's output. Attention heads are groups of their own where the attention module declares them
+(``n_head`` and ``head_slots()``). Removing a group's channels gives the same outputs as
 zeroing them (:func:`mask_channels_`), which the tests check.
 """
 
