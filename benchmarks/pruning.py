@@ -11,8 +11,10 @@ Fashion-MNIST, one process, 2 threads, same steps for every run (4 epochs of 150
   accuracy. The peer, ``ModelPruning("ln_structured", amount=0.5)``, masks whole filters but keeps the dense
   shapes: its latency is measured the same way.
 - 2:4: ``MagnitudePruning(pattern="2:4")`` from the middle of the run (dense before), compliance and accuracy.
+- torchvision's ResNet-18 (first convolution taking 1 channel): the unstructured comparison, 4 epochs of 75
+  batches (a ResNet-18 step costs about ten CNN steps here).
 
-    python -m benchmarks.pruning [--quick]
+    python -m benchmarks.pruning [--quick] [--parts cnn resnet18]
 """
 
 from __future__ import annotations
@@ -154,16 +156,57 @@ def _params(model: Any) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def _resnet18() -> Any:
+    import lightning as L
+    import torch
+    import torch.nn.functional as F
+    import torchvision
+    from torch import nn
+    from torchmetrics.classification import MulticlassAccuracy
+
+    class ResNet18(L.LightningModule):
+        """torchvision's ResNet-18 with its first convolution taking 1 channel (its 7x7/2 stem and max-pool kept:
+        28x28 images reach the residual stages at 7x7)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torchvision.models.resnet18(num_classes=10)
+            self.net.conv1 = nn.Conv2d(1, 64, kernel_size=7, stride=2, padding=3, bias=False)
+            self.test_acc = MulticlassAccuracy(10)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.net(x)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            return F.cross_entropy(self(x), y)
+
+        def test_step(self, batch: Any, batch_idx: int) -> None:
+            x, y = batch
+            self.test_acc(self(x), y)
+            self.log("test_acc", self.test_acc)
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    return ResNet18()
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="few steps (a smoke run; figures meaningless)")
     parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--parts", nargs="+", choices=["cnn", "resnet18"], default=["cnn", "resnet18"],
+                        help="what to run; the other parts' figures are kept from the last results file")  # fmt: skip
     parser.add_argument("--epochs", type=int, default=4)
-    parser.add_argument("--batches", type=int, default=150, help="training batches per epoch")
+    parser.add_argument("--batches", type=int, default=150, help="training batches per epoch (CNN, MLP)")
+    parser.add_argument("--resnet-batches", type=int, default=75, help="training batches per epoch (ResNet-18)")
     args = parser.parse_args(argv)
     if args.quick:
-        args.epochs, args.batches = 4, 3
+        args.epochs, args.batches, args.resnet_batches = 4, 3, 2
     args.test_batches = 2 if args.quick else 1.0
+
+    import json
 
     import lightning as L
     import torch
@@ -173,76 +216,105 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     set_flush_denormal()
     torch.set_num_threads(2)
-    figures: dict[str, Any] = {"config": {"epochs": args.epochs, "batches_per_epoch": args.batches,
-                                          "batch_size": 128, "threads": 2, "seed": 0}}  # fmt: skip
-    rows: list[dict[str, Any]] = []
+    figures: dict[str, Any] = {}
+    previous = args.results_dir / "pruning.json"
+    if set(args.parts) != {"cnn", "resnet18"} and previous.exists():
+        figures.update(json.loads(previous.read_text())["figures"])
+        print(f"kept the figures of the parts not run from {previous}")
+    figures["config"] = {"epochs": args.epochs, "batches_per_epoch": {"cnn": args.batches, "mlp": args.batches,
+                         "resnet18": args.resnet_batches}, "batch_size": 128, "threads": 2, "seed": 0}  # fmt: skip
 
-    def run(name: str, build: Any, callbacks: Any) -> tuple[Any, dict[str, Any]]:
+    def run(name: str, build: Any, callbacks: Any, batches: int | None = None) -> tuple[Any, dict[str, Any]]:
         L.seed_everything(0, verbose=False)
         model = build()
-        acc, seconds = _fit(model, callbacks(model), args)
+        run_args = argparse.Namespace(**{**vars(args), "batches": batches or args.batches})
+        acc, seconds = _fit(model, callbacks(model), run_args)
         out = {"test_acc": acc, "sparsity": _sparsity(model), "params": _params(model), "fit_s": seconds}
         print(f"{name}: {out}", flush=True)
         figures[name] = out
         return model, out
 
-    dense_cnn, dense = run("cnn_dense", FashionCNN, lambda m: [])
-    for s in SPARSITIES:
-        _, ours = run(f"cnn_magnitude_{s}", FashionCNN, lambda m, s=s: [MagnitudePruning(s, plot=False)])
-        _, peer = run(f"cnn_modelpruning_{s}", FashionCNN,
-                      lambda m, s=s: [_model_pruning("unstructured", s, args.epochs, m)])  # fmt: skip
-        rows.append({"model": "cnn", "method": f"unstructured {s:.0%}", "ours acc": ours["test_acc"],
-                     "ModelPruning acc": peer["test_acc"], "dense acc": dense["test_acc"],
-                     "ours - dense (pts)": 100 * (ours["test_acc"] - dense["test_acc"]),
-                     "ours sparsity": ours["sparsity"], "peer sparsity": peer["sparsity"]})  # fmt: skip
+    def unstructured(model_name: str, build: Any, batches: int) -> Any:
+        dense_model, _ = run(f"{model_name}_dense", build, lambda m: [], batches)
+        for s in SPARSITIES:
+            run(f"{model_name}_magnitude_{s}", build, lambda m, s=s: [MagnitudePruning(s, plot=False)], batches)
+            run(f"{model_name}_modelpruning_{s}", build,
+                lambda m, s=s: [_model_pruning("unstructured", s, args.epochs, m)], batches)  # fmt: skip
+        return dense_model
 
-    half = PruningSchedule(start=0.5)
-    nm_pruning = dict(pattern="2:4", schedule=half, parameters=CNN_NM_PARAMS, plot=False)
-    _, nm = run("cnn_2of4", FashionCNN, lambda m: [MagnitudePruning(**nm_pruning)])
-    rows.append({"model": "cnn", "method": "2:4 from mid-run", "ours acc": nm["test_acc"],
-                 "dense acc": dense["test_acc"], "ours - dense (pts)": 100 * (nm["test_acc"] - dense["test_acc"]),
-                 "ours sparsity": nm["sparsity"]})  # fmt: skip
+    if "cnn" in args.parts:
+        dense_cnn = unstructured("cnn", FashionCNN, args.batches)
+        nm_pruning = dict(pattern="2:4", schedule=PruningSchedule(start=0.5), parameters=CNN_NM_PARAMS, plot=False)
+        run("cnn_2of4", FashionCNN, lambda m: [MagnitudePruning(**nm_pruning)])
+        for model_name, build in (("cnn", FashionCNN), ("mlp", _mlp)):
+            dense_model = dense_cnn if model_name == "cnn" else run("mlp_dense", build, lambda m: [])[0]
+            pruned, _ = run(f"{model_name}_structured_0.5", build, lambda m: [StructuredPruning(0.5)])
+            models = {"dense": dense_model, "ours": pruned}
+            if model_name == "cnn":
+                peer = lambda m: [_model_pruning("structured", 0.5, args.epochs, m)]  # noqa: E731
+                models["ModelPruning"], _ = run("cnn_modelpruning_structured_0.5", build, peer)
+            latency = _latency(models, rounds=5 if args.quick else 30)
+            flops = {name: _flops(m) for name, m in models.items()}
+            figures[f"{model_name}_structured_summary"] = {
+                "latency_s": latency, "flops": flops, "params": {name: _params(m) for name, m in models.items()}
+            }  # fmt: skip
+    if "resnet18" in args.parts:
+        unstructured("resnet18", _resnet18, args.resnet_batches)
 
+    rows = []
+    for model_name in ("cnn", "resnet18"):
+        if f"{model_name}_dense" not in figures:
+            continue
+        dense = figures[f"{model_name}_dense"]["test_acc"]
+        for s in SPARSITIES:
+            ours, peer = figures[f"{model_name}_magnitude_{s}"], figures[f"{model_name}_modelpruning_{s}"]
+            rows.append({"model": model_name, "method": f"unstructured {s:.0%}", "ours acc": ours["test_acc"],
+                         "ModelPruning acc": peer["test_acc"], "dense acc": dense,
+                         "ours - dense (pts)": 100 * (ours["test_acc"] - dense),
+                         "peer - dense (pts)": 100 * (peer["test_acc"] - dense),
+                         "ours sparsity": ours["sparsity"], "peer sparsity": peer["sparsity"]})  # fmt: skip
+        if model_name == "cnn" and "cnn_2of4" in figures:
+            nm = figures["cnn_2of4"]
+            rows.append({"model": "cnn", "method": "2:4 from mid-run", "ours acc": nm["test_acc"],
+                         "dense acc": dense, "ours - dense (pts)": 100 * (nm["test_acc"] - dense),
+                         "ours sparsity": nm["sparsity"]})  # fmt: skip
     structured_rows = []
-    for model_name, build in (("cnn", FashionCNN), ("mlp", _mlp)):
-        dense_model, dense_fig = (dense_cnn, dense) if model_name == "cnn" else run("mlp_dense", build, lambda m: [])
-        pruned, ours = run(f"{model_name}_structured_0.5", build, lambda m: [StructuredPruning(0.5)])
-        models = {"dense": dense_model, "ours": pruned}
-        if model_name == "cnn":
-            masked, peer = run("cnn_modelpruning_structured_0.5", build,
-                               lambda m: [_model_pruning("structured", 0.5, args.epochs, m)])  # fmt: skip
-            models["ModelPruning"] = masked
-        latency = _latency(models, rounds=5 if args.quick else 30)
-        flops = {name: _flops(m) for name, m in models.items()}
+    for model_name in ("cnn", "mlp"):
+        summary = figures.get(f"{model_name}_structured_summary")
+        if summary is None:
+            continue
+        latency, flops, params = summary["latency_s"], summary["flops"], summary["params"]
+        dense_acc = figures[f"{model_name}_dense"]["test_acc"]
         row = {
             "model": model_name,
             "latency ours/dense": ratio(latency["ours"], latency["dense"]),
             "FLOPs ours/dense": ratio(flops["ours"], flops["dense"]),
-            "params ours/dense": ratio(_params(pruned), _params(dense_model)),
+            "params ours/dense": ratio(params["ours"], params["dense"]),
             "speedup / FLOPs ratio": (latency["dense"] / latency["ours"]) / (flops["dense"] / flops["ours"]),
-            "acc ours - dense (pts)": 100 * (ours["test_acc"] - dense_fig["test_acc"]),
+            "acc ours - dense (pts)": 100 * (figures[f"{model_name}_structured_0.5"]["test_acc"] - dense_acc),
             "dense ms/batch": 1000 * latency["dense"],
         }
         if "ModelPruning" in latency:
             row["latency ModelPruning/dense"] = ratio(latency["ModelPruning"], latency["dense"])
-            row["acc ModelPruning - dense (pts)"] = 100 * (peer["test_acc"] - dense_fig["test_acc"])
-        figures[f"{model_name}_structured_summary"] = {**row, "latency_s": latency, "flops": flops}
+            peer_acc = figures[f"{model_name}_modelpruning_structured_0.5"]["test_acc"]
+            row["acc ModelPruning - dense (pts)"] = 100 * (peer_acc - dense_acc)
         structured_rows.append(row)
 
     print("\nUnstructured and 2:4 pruning vs dense and Lightning's ModelPruning (test accuracy, one seed)")
     table = print_table(rows, ["model", "method", "ours acc", "ModelPruning acc", "dense acc", "ours - dense (pts)",
-                               "ours sparsity", "peer sparsity"])  # fmt: skip
+                               "peer - dense (pts)", "ours sparsity", "peer sparsity"])  # fmt: skip
     print("\nStructuredPruning(0.5) then fine-tuning: CPU inference (batch 256) as ratios to dense")
     table2 = print_table(structured_rows, ["model", "latency ours/dense", "latency ModelPruning/dense",
                                            "FLOPs ours/dense", "params ours/dense", "speedup / FLOPs ratio",
                                            "acc ours - dense (pts)", "acc ModelPruning - dense (pts)",
                                            "dense ms/batch"])  # fmt: skip
-    cnn_row = structured_rows[0]
-    headline = (f"90% unstructured: {figures['cnn_magnitude_0.9']['test_acc'] - dense['test_acc']:+.3f} acc vs dense "
-                f"(ModelPruning {figures['cnn_modelpruning_0.9']['test_acc'] - dense['test_acc']:+.3f}); structured "
-                f"CNN latency {cnn_row['latency ours/dense']:.2f}x (ModelPruning "
-                f"{cnn_row.get('latency ModelPruning/dense', float('nan')):.2f}x)")  # fmt: skip
-    write_results("pruning", {"figures": figures, "table": table, "structured_table": table2}, headline,
+    parts = [
+        f"{r['model']} 90%: {r['ours - dense (pts)']:+.2f} pts vs dense (ModelPruning {r['peer - dense (pts)']:+.2f})"
+        for r in rows
+        if r["method"] == "unstructured 90%"
+    ]
+    parts += [f"structured {r['model']} latency {r['latency ours/dense']:.2f}x" for r in structured_rows]
+    write_results("pruning", {"figures": figures, "table": table, "structured_table": table2}, "; ".join(parts),
                   args.results_dir)  # fmt: skip
     return figures
 
