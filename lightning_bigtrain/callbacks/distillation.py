@@ -171,6 +171,11 @@ class KnowledgeDistillation(L.Callback):
         for name, value in (("alpha", alpha), ("DistillationOptions.alpha_end", options.alpha_end)):
             if value is not None and not 0.0 <= value <= 1.0:
                 raise ValueError(f"`KnowledgeDistillation({name}={value})`: must be in [0, 1].")
+        if not options.feature_weight >= 0:
+            raise ValueError(
+                f"`DistillationOptions(feature_weight={options.feature_weight})`: must be >= 0 (a negative weight "
+                "would push the student's features away from the teacher's)."
+            )
         if options.cache_top_k < 1:
             raise ValueError(f"`DistillationOptions(cache_top_k={options.cache_top_k})`: must be >= 1.")
         if features is not None and (

@@ -257,6 +257,9 @@ SETTINGS: tuple[Setting, ...] = (
             BadInput("alpha_end",
                      lambda: KnowledgeDistillation(FashionCNN(), options=DistillationOptions(alpha_end=-1)),
                      ValueError, r"alpha_end=-1\)`: must be in \[0, 1\]"),
+            BadInput("feature_weight",
+                     lambda: KnowledgeDistillation(FashionCNN(), options=DistillationOptions(feature_weight=-1.0)),
+                     ValueError, r"DistillationOptions\(feature_weight=-1.0\)`: must be >= 0"),
             BadInput("teacher_type", lambda: KnowledgeDistillation(3), TypeError,  # type: ignore[arg-type]
                      r"`KnowledgeDistillation\(teacher=int\)`: pass an nn.Module"),
             BadInput("features_and_cache", lambda: KnowledgeDistillation(FashionCNN(), features={"a": "b"}, cache="x"),
