@@ -502,11 +502,12 @@ class StructuredPruning(L.Callback):
     ``1 - amount_t`` of its original channels (``amount_t`` on Zhu & Gupta's cubic ramp), keeping the most
     important ones. Layers are resized in place: parameters keep their identity, the optimizer's state (momentum,
     Adam moments) is sliced with them, and DDP is re-wrapped over the new shapes. Channels the tracer cannot
-    follow (attention heads split by reshapes, LayerNorm-coupled widths, the model's output) are kept, and listed
-    once in a warning.
+    follow (reshapes that mix channels, LayerNorm-coupled widths, the model's output) are kept, and listed once in
+    a warning. Attention modules that declare their heads (``n_head`` and ``head_slots()``) lose whole heads.
 
-    Hooks: ``setup`` (strategy check; on resume, resizes the model to the checkpoint's shapes before Lightning
-    loads it), ``on_train_start`` (captures the forward's input), ``on_before_optimizer_step`` (Taylor scores),
+    Hooks: ``setup`` (strategy check; wraps the module's ``on_load_checkpoint`` so that a resumed run resizes
+    the model to the checkpoint's shapes before Lightning loads the weights; ``teardown`` restores it),
+    ``on_train_start`` (captures the forward's input), ``on_before_optimizer_step`` (Taylor scores),
     ``on_train_batch_end`` (pruning events, after the optimizer step), ``state_dict``/``load_state_dict``.
 
     Args:
@@ -570,15 +571,18 @@ class StructuredPruning(L.Callback):
                 "strategy='ddp' or one device, then train the smaller model with any strategy."
             )
         self._module = pl_module
-        if trainer.ckpt_path:
-            import fsspec
+        # Resuming from a pruned checkpoint: Lightning calls the module's `on_load_checkpoint` just before it loads
+        # the weights (after this hook, before the strategy wraps the model), so the shapes are rebuilt there.
+        original = pl_module.on_load_checkpoint
 
-            with fsspec.open(str(trainer.ckpt_path), "rb") as f:
-                checkpoint = torch.load(f, map_location="cpu", weights_only=False)
+        def on_load_checkpoint(checkpoint: dict[str, Any]) -> None:
             if _STRUCTURE_KEY in checkpoint:
                 from lightning_bigtrain.functional.structured import resize_to_state_dict_
 
                 resize_to_state_dict_(pl_module, checkpoint["state_dict"])
+            original(checkpoint)
+
+        pl_module.on_load_checkpoint = on_load_checkpoint  # type: ignore[method-assign]
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._steps = self.schedule.resolve(trainer.estimated_stepping_batches)
@@ -705,6 +709,8 @@ class StructuredPruning(L.Callback):
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+        if "on_load_checkpoint" in vars(pl_module):
+            del pl_module.on_load_checkpoint  # the class's own hook again
 
 
 def load_pruned(cls: type[L.LightningModule], checkpoint_path: str | Path, **kwargs: Any) -> L.LightningModule:

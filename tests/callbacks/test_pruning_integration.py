@@ -23,7 +23,7 @@ from tests.helpers.settings import _tiny_fashion, _tiny_shakespeare
 pytestmark = pytest.mark.integration
 
 _COMMON = dict(accelerator="cpu", devices=2, enable_progress_bar=False, enable_model_summary=False,
-               num_sanity_val_steps=0, limit_val_batches=0)  # fmt: skip
+               num_sanity_val_steps=0, limit_val_batches=0, enable_checkpointing=False)  # fmt: skip
 
 
 def _runs(rank: int, tmp: str) -> dict:
@@ -103,6 +103,12 @@ def _structured(rank: int, tmp: str) -> dict:
     )
     ckpt = Path(tmp) / "pruned.ckpt"
     trainer.save_checkpoint(ckpt)
+    # Resuming into a fresh (unpruned) model rebuilds the pruned shapes before Lightning loads the weights.
+    fresh = FashionCNN(channels=(8, 16))
+    resumed = L.Trainer(max_steps=4, strategy="ddp", callbacks=[StructuredPruning(0.5)], logger=False, **_COMMON)
+    resumed.fit(fresh, datamodule=_tiny_fashion(), ckpt_path=str(ckpt))
+    out["resumed_equal"] = torch.equal(torch.cat([p.detach().reshape(-1) for p in fresh.parameters()]), out["weights"])
+    out["hook_restored"] = "on_load_checkpoint" not in vars(fresh)
     if rank == 0:
         loaded = load_pruned(FashionCNN, ckpt).eval()
         x = torch.randn(3, 1, 28, 28)
@@ -138,7 +144,7 @@ def test_structured_pruning_removes_channels_on_two_ranks(tmp_path):
     results = run_on_ranks(_structured, str(tmp_path), init_process_group=False)
     for r in results:
         assert r["shapes"][0] == (4, 1, 3, 3) and r["shapes"][3] == (8, 4, 3, 3) and r["shapes"][6] == (10, 8)
-        assert r["state_follows"]
+        assert r["state_follows"] and r["resumed_equal"] and r["hook_restored"]
         assert r["gpt_mlp"] == [(32, 32), (32, 32)] and r["gpt_qkv"] == (48, 32) and r["gpt_heads"] == [1, 1]
         assert "changes layer shapes mid-training, which ZeroStrategy cannot follow" in r["zero_error"]
     torch.testing.assert_close(results[0]["weights"], results[1]["weights"], rtol=0, atol=0)
