@@ -1,6 +1,6 @@
 """The main job: a char-level GPT trained on Shakespeare by 2 CPU ranks, with a printed report.
 
-    bigtrain demo [--output runs/demo] [--max-steps 250] [--strategy bigtrain_zero2] [--devices 2]
+    bigtrain demo [--output runs/demo] [--max-steps 250] [--val-batches 16] [--strategy bigtrain_zero2] [--devices 2]
                   [--compression powersgd|topk|onebit|int8|int4|fp16|bf16] [--teacher runs/demo/model.ckpt]
                   [--prune 0.5] [--prune-channels 0.5]
 
@@ -108,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", default="runs/demo", help="folder for report.md and logs")
     parser.add_argument("--max-steps", type=int, default=250)
     parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--val-batches", type=int, default=16, help="validation batches before and after training")
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument(
         "--strategy",
@@ -146,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(
             f"--prune-channels needs --strategy ddp: {args.strategy} cannot follow shapes that change mid-training."
         )
+    if args.val_batches < 1:
+        parser.error(f"--val-batches {args.val_batches}: must be >= 1.")
     if args.max_steps < 1:
         parser.error(f"--max-steps {args.max_steps}: max-steps must be >= 1.")
     if args.compression not in (None, "fp16", "bf16") and args.strategy in ("bigtrain_zero2", "bigtrain_zero3"):
@@ -153,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
             f"--compression {args.compression} needs --strategy ddp or bigtrain_zero1: at stages 2 and 3 each rank "
             "keeps only a slice of the reduced gradients (fp16/bf16 work there, as a low-precision reduce-scatter)."
         )
-    run_demo(args.output, args.max_steps, args.devices, args.accelerator, strategy=args.strategy,
+    run_demo(args.output, args.max_steps, args.devices, args.accelerator, args.val_batches, strategy=args.strategy,
              compression=args.compression, teacher=args.teacher, prune=args.prune,
              prune_channels=args.prune_channels)  # fmt: skip
     return 0
