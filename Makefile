@@ -47,7 +47,7 @@ demo: venv data
 	$(VENV)/bin/bigtrain demo --output runs/demo $(DEMO_ARGS)
 
 # One script per area; each prints a table and writes benchmarks/results/<area>.json.
-BENCHES := ddp zero precision compression distillation
+BENCHES := ddp zero precision compression distillation pruning
 
 bench: venv data
 	@set -e; for b in $(BENCHES); do $(PY) -m benchmarks.$$b; done
