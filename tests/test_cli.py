@@ -40,13 +40,13 @@ def _main(*args: str, capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str
 
 
 @pytest.mark.integration
-def test_fit_demo_config_for_20_steps_on_two_ranks(tmp_path):
+def test_fit_demo_config_for_10_steps_on_two_ranks(tmp_path):
     shutil.copy(ROOT / "configs" / "demo.yaml", tmp_path / "demo.yaml")
-    run = _bigtrain("fit", "--config", "demo.yaml", "--trainer.max_steps=20", "--trainer.val_check_interval=20",
+    run = _bigtrain("fit", "--config", "demo.yaml", "--trainer.max_steps=10", "--trainer.val_check_interval=10",
                     "--trainer.limit_val_batches=2", cwd=tmp_path)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads((tmp_path / "runs" / "cli-demo" / "report.json").read_text())
-    assert report["steps"] == 20 and report["world_size"] == 2 and report["strategy"] == "DDPStrategy"
+    assert report["steps"] == 10 and report["world_size"] == 2 and report["strategy"] == "DDPStrategy"
     assert report["train_loss_end"] < report["train_loss_start"]
 
 
@@ -109,7 +109,7 @@ def test_demo_runs_and_writes_its_report(tmp_path):
     assert "tokens/s" in text and text.strip() in run.stdout
     # The saved model (a sharded ZeRO-2 folder) is the teacher of a distilled student.
     student = tmp_path / "student"
-    run = _bigtrain("demo", "--max-steps", "10", "--val-batches", "4", "--teacher",
+    run = _bigtrain("demo", "--max-steps", "10", "--val-batches", "2", "--teacher",
                     str(tmp_path / "demo" / "model.ckpt"), "--output", str(student), cwd=tmp_path)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads((student / "report.json").read_text())

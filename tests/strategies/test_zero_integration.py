@@ -187,7 +187,8 @@ def _resume(rank: int, ckpt_dir: str, devices: int, stage: int = 3) -> dict:
     }
 
 
-@pytest.mark.parametrize(("save_ranks", "load_ranks", "stage"), [(2, 1, 3), (1, 2, 3), (2, 1, 1), (1, 2, 1)])
+# Both directions, both engines (FSDP2 at stage 3, flat partitions at stage 1): each pair crosses them once.
+@pytest.mark.parametrize(("save_ranks", "load_ranks", "stage"), [(2, 1, 3), (1, 2, 1)])
 def test_sharded_checkpoint_loads_at_another_world_size(tmp_path, save_ranks, load_ranks, stage):
     saved = run_on_ranks(_save, str(tmp_path), save_ranks, stage, world_size=save_ranks, init_process_group=False)[0]
     for r in run_on_ranks(_resume, str(tmp_path), load_ranks, stage, world_size=load_ranks, init_process_group=False):
@@ -196,7 +197,7 @@ def test_sharded_checkpoint_loads_at_another_world_size(tmp_path, save_ranks, lo
         torch.testing.assert_close(r["start"], saved, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("stage", [1])  # stage 3 goes through the same writer in test_checkpoint_to_s3_resumes
 def test_checkpoint_to_an_fsspec_url_resumes(tmp_path, stage):
     url = f"file://{tmp_path}/remote"
     saved = run_on_ranks(_save, url, 2, stage, init_process_group=False)[0]
