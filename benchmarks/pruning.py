@@ -14,7 +14,9 @@ Fashion-MNIST, one process, 2 threads, same steps for every run (4 epochs of 150
 - torchvision's ResNet-18 (first convolution taking 1 channel): the unstructured comparison, 4 epochs of 75
   batches (a ResNet-18 step costs about ten CNN steps here).
 
-    python -m benchmarks.pruning [--quick] [--parts cnn resnet18]
+- Structured sweep: Taylor importance, a shorter ramp, and the half-width CNN trained from scratch (capacity).
+
+    python -m benchmarks.pruning [--quick] [--parts cnn resnet18 structured_sweep]
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Any
 from benchmarks.common import RESULTS_DIR, print_table, ratio, set_flush_denormal, write_results
 
 SPARSITIES = (0.5, 0.8, 0.9)
+PARTS = ("cnn", "resnet18", "structured_sweep")
 CNN_NM_PARAMS = ["features.4.weight", "features.8.weight", "classifier.weight"]  # the first conv has 9 inputs
 
 
@@ -196,7 +199,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="few steps (a smoke run; figures meaningless)")
     parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
-    parser.add_argument("--parts", nargs="+", choices=["cnn", "resnet18"], default=["cnn", "resnet18"],
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS),
                         help="what to run; the other parts' figures are kept from the last results file")  # fmt: skip
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--batches", type=int, default=150, help="training batches per epoch (CNN, MLP)")
@@ -218,7 +221,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     torch.set_num_threads(2)
     figures: dict[str, Any] = {}
     previous = args.results_dir / "pruning.json"
-    if set(args.parts) != {"cnn", "resnet18"} and previous.exists():
+    if set(args.parts) != set(PARTS) and previous.exists():
         figures.update(json.loads(previous.read_text())["figures"])
         print(f"kept the figures of the parts not run from {previous}")
     figures["config"] = {"epochs": args.epochs, "batches_per_epoch": {"cnn": args.batches, "mlp": args.batches,
@@ -258,6 +261,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             figures[f"{model_name}_structured_summary"] = {"latency_s": latency, "flops": flops}
     if "resnet18" in args.parts:
         unstructured("resnet18", _resnet18, args.resnet_batches)
+    if "structured_sweep" in args.parts:
+        # Settings a user would try when StructuredPruning(0.5) costs accuracy, and the capacity reference: the CNN
+        # with half the channels trained from scratch for the same steps.
+        run("cnn_structured_0.5_taylor", FashionCNN, lambda m: [StructuredPruning(0.5, importance="taylor")])
+        early = PruningSchedule(end=0.5)
+        run("cnn_structured_0.5_end0.5", FashionCNN, lambda m: [StructuredPruning(0.5, schedule=early)])
+        run("cnn_half_width_scratch", lambda: FashionCNN(channels=(16, 32, 64)), lambda m: [])
 
     rows = []
     for model_name in ("cnn", "resnet18"):
@@ -302,6 +312,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             row["acc ModelPruning - dense (pts)"] = 100 * (peer_acc - dense_acc)
         structured_rows.append(row)
 
+    sweep_rows = []
+    if "cnn_dense" in figures:
+        dense_acc = figures["cnn_dense"]["test_acc"]
+        for name, what in (("cnn_structured_0.5", "StructuredPruning(0.5), l2, ramp to 3/4 (the table above)"),
+                           ("cnn_structured_0.5_taylor", "importance='taylor'"),
+                           ("cnn_structured_0.5_end0.5", "ramp to 1/2 (longer recovery)"),
+                           ("cnn_half_width_scratch", "half the channels, from scratch (capacity)")):  # fmt: skip
+            if name in figures:
+                sweep_rows.append({"run": what, "test acc": figures[name]["test_acc"],
+                                   "vs dense (pts)": 100 * (figures[name]["test_acc"] - dense_acc),
+                                   "params": figures[name]["params"]})  # fmt: skip
     print("\nUnstructured and 2:4 pruning vs dense and Lightning's ModelPruning (test accuracy, one seed)")
     table = print_table(rows, ["model", "method", "ours acc", "ModelPruning acc", "dense acc", "ours - dense (pts)",
                                "peer - dense (pts)", "ours sparsity", "peer sparsity"])  # fmt: skip
@@ -310,13 +331,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                            "FLOPs ours/dense", "params ours/dense", "speedup / FLOPs ratio",
                                            "acc ours - dense (pts)", "acc ModelPruning - dense (pts)",
                                            "dense ms/batch"])  # fmt: skip
+    table3 = ""
+    if sweep_rows:
+        print("\nStructured CNN accuracy: settings tried, and the same-size model trained from scratch")
+        table3 = print_table(sweep_rows, ["run", "test acc", "vs dense (pts)", "params"])
     parts = [
         f"{r['model']} 90%: {r['ours - dense (pts)']:+.2f} pts vs dense (ModelPruning {r['peer - dense (pts)']:+.2f})"
         for r in rows
         if r["method"] == "unstructured 90%"
     ]
     parts += [f"structured {r['model']} latency {r['latency ours/dense']:.2f}x" for r in structured_rows]
-    write_results("pruning", {"figures": figures, "table": table, "structured_table": table2}, "; ".join(parts),
+    tables = {"table": table, "structured_table": table2, "structured_sweep_table": table3}
+    write_results("pruning", {"figures": figures, **tables}, "; ".join(parts),
                   args.results_dir)  # fmt: skip
     return figures
 
