@@ -199,6 +199,8 @@ class MagnitudePruning(L.Callback):
         if stage != "fit":
             return
         self.names = self._choose(pl_module)
+        if self.sparsity == 0.0:
+            warn_once("MagnitudePruning(sparsity=0.0) prunes nothing; give a sparsity above 0.", NoEffectWarning)
 
     def _choose(self, module: nn.Module) -> list[str]:
         """Names of the parameters to prune: validated, each tensor once, frozen ones left out with a warning."""
@@ -704,6 +706,15 @@ class StructuredPruning(L.Callback):
         self._last_event = int(state_dict.get("last_event", -1))
         self._done = bool(state_dict.get("done", False))
         self._original = {int(k): int(v) for k, v in state_dict.get("original", {}).items()}
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._example is None and not self._done:
+            warn_once(
+                "StructuredPruning removed nothing: the module's forward was never called during training, so the "
+                f"model could not be traced. Set `{type(pl_module).__name__}.example_input_array` to an input of "
+                "its forward.",
+                NoEffectWarning,
+            )
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if self._hook is not None:

@@ -175,3 +175,27 @@ def test_shared_weights_are_pruned_once_with_a_warning():
     with pytest.warns(BigtrainWarning, match=r"`lm_head\.weight` is shared with `tok_emb\.weight`"):
         chosen = MagnitudePruning(0.5)._choose(gpt)
     assert chosen.count("lm_head.weight") == 1
+
+
+class _NoForward(FashionCNN):
+    """Calls its layers directly in training_step: a forward hook never fires."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self.classifier(self.features(x).mean(dim=(2, 3))), y)
+
+
+def test_settings_that_cannot_act_warn(tmp_path):
+    import lightning as L
+
+    from lightning_bigtrain.callbacks import StructuredPruning
+    from lightning_bigtrain.data import FashionMNISTDataModule
+    from lightning_bigtrain.warnings import NoEffectWarning
+
+    with pytest.warns(NoEffectWarning, match=r"MagnitudePruning\(sparsity=0.0\) prunes nothing"):
+        MagnitudePruning(0.0).setup(None, FashionCNN(channels=(8, 16)), "fit")  # type: ignore[arg-type]
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                        default_root_dir=tmp_path, callbacks=[StructuredPruning(0.5)])  # fmt: skip
+    with pytest.warns(NoEffectWarning, match=r"StructuredPruning removed nothing.*_NoForward.example_input_array"):
+        trainer.fit(_NoForward(channels=(8, 16)), datamodule=FashionMNISTDataModule(batch_size=16, subset=64))
