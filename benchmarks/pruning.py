@@ -34,18 +34,17 @@ PARTS = ("cnn", "resnet18", "structured_sweep")
 CNN_NM_PARAMS = ["features.4.weight", "features.8.weight", "classifier.weight"]  # the first conv has 9 inputs
 
 
-def _mlp() -> Any:
+def _classifier(net: Any) -> Any:
+    """A LightningModule around ``net`` (images -> 10 logits): cross-entropy, AdamW at 1e-3, test accuracy."""
     import lightning as L
     import torch
     import torch.nn.functional as F
-    from torch import nn
     from torchmetrics.classification import MulticlassAccuracy
 
-    class MLP(L.LightningModule):
+    class Classifier(L.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            self.net = nn.Sequential(nn.Flatten(), nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(),
-                                     nn.Linear(1024, 10))  # fmt: skip
+            self.net = net
             self.test_acc = MulticlassAccuracy(10)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -63,7 +62,14 @@ def _mlp() -> Any:
         def configure_optimizers(self) -> Any:
             return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
-    return MLP()
+    return Classifier()
+
+
+def _mlp() -> Any:
+    from torch import nn
+
+    return _classifier(nn.Sequential(nn.Flatten(), nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(),
+                                     nn.Linear(1024, 10)))  # fmt: skip
 
 
 def _cubic_epochs(final: float, epochs: int) -> list[float]:
@@ -160,39 +166,14 @@ def _params(model: Any) -> int:
 
 
 def _resnet18() -> Any:
-    import lightning as L
-    import torch
-    import torch.nn.functional as F
+    """torchvision's ResNet-18 with its first convolution taking 1 channel (its 7x7/2 stem and max-pool kept:
+    28x28 images reach the residual stages at 7x7)."""
     import torchvision
     from torch import nn
-    from torchmetrics.classification import MulticlassAccuracy
 
-    class ResNet18(L.LightningModule):
-        """torchvision's ResNet-18 with its first convolution taking 1 channel (its 7x7/2 stem and max-pool kept:
-        28x28 images reach the residual stages at 7x7)."""
-
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = torchvision.models.resnet18(num_classes=10)
-            self.net.conv1 = nn.Conv2d(1, 64, kernel_size=7, stride=2, padding=3, bias=False)
-            self.test_acc = MulticlassAccuracy(10)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.net(x)
-
-        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            x, y = batch
-            return F.cross_entropy(self(x), y)
-
-        def test_step(self, batch: Any, batch_idx: int) -> None:
-            x, y = batch
-            self.test_acc(self(x), y)
-            self.log("test_acc", self.test_acc)
-
-        def configure_optimizers(self) -> Any:
-            return torch.optim.AdamW(self.parameters(), lr=1e-3)
-
-    return ResNet18()
+    net = torchvision.models.resnet18(num_classes=10)
+    net.conv1 = nn.Conv2d(1, 64, kernel_size=7, stride=2, padding=3, bias=False)
+    return _classifier(net)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
