@@ -1,19 +1,30 @@
-"""Run a function on N spawned CPU ranks joined by a gloo process group, and collect what each returns."""
+"""Run a function on N CPU ranks joined by a gloo process group, and collect what each returns.
+
+Starting a rank costs about 7 s on the 2-core CI host (importing torch and Lightning), more than most of
+the tiny fits the tests run in it. The ranks are therefore kept between calls: one pool of ``world_size``
+spawned workers per world size, each call on a fresh port and a fresh process group, with the process
+state a test can change (environment, deterministic-algorithms flag, default dtype, thread count, fsspec's
+cached filesystems) put back and the task's garbage collected afterwards. A rank that raises or dies takes its pool down (peers may be blocked in a collective), and the
+next call starts a new one. ``BIGTRAIN_TEST_FRESH_RANKS=1`` (or ``fresh=True``) spawns new processes for
+every call instead.
+"""
 
 from __future__ import annotations
 
+import atexit
+import gc
+import multiprocessing as mp
 import os
 import pickle
 import socket
 import sys
-import tempfile
+import traceback
 from collections.abc import Callable
-from pathlib import Path
+from multiprocessing.connection import Connection, wait
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 __all__ = ["free_port", "run_on_ranks"]
 
@@ -24,59 +35,165 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _rank_entry(
-    rank: int,
-    fn: Callable[..., Any],
-    args: tuple[Any, ...],
-    world_size: int,
-    port: int,
-    init_process_group: bool,
-    outdir: str,
-) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        WORLD_SIZE=str(world_size),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        NODE_RANK="0",
-    )
-    torch.set_num_threads(1)
-    if init_process_group:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+def _run_task(rank: int, world_size: int, task: bytes) -> tuple[str, Any]:
     try:
-        result = fn(rank, *args)
-    finally:
+        fn, args, port, init_process_group, env = pickle.loads(task)
+        os.environ.clear()
+        os.environ.update(env)  # the caller's, as a freshly spawned process would inherit it
+        os.environ.update(
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            WORLD_SIZE=str(world_size),
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            NODE_RANK="0",
+        )
+        if init_process_group:
+            dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        return "ok", fn(rank, *args)
+    except BaseException:  # noqa: BLE001 - reported to the parent with the traceback
+        return "error", traceback.format_exc()
+
+
+def _clear_fsspec_instances() -> None:
+    fsspec = sys.modules.get("fsspec")
+    if fsspec is None:
+        return
+    todo = [fsspec.AbstractFileSystem]
+    while todo:
+        cls = todo.pop()
+        cls.clear_instance_cache()
+        todo.extend(cls.__subclasses__())
+
+
+def _worker(rank: int, world_size: int, conn: Connection) -> None:
+    torch.set_num_threads(1)
+    env = dict(os.environ)
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    dtype = torch.get_default_dtype()
+    while True:
+        try:
+            task = conn.recv_bytes()
+        except EOFError:  # the parent is gone
+            os._exit(0)
+        if task == b"stop":
+            os._exit(0)
+        status, value = _run_task(rank, world_size, task)
+        if status == "error":
+            # Peers may wait in a collective forever: report, and let the parent take the pool down.
+            conn.send_bytes(pickle.dumps((status, value)))
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
         if dist.is_initialized():
             dist.destroy_process_group()
-    with open(Path(outdir) / f"rank{rank}.pkl", "wb") as f:
-        pickle.dump(result, f)
-    # The result is on disk: leave without interpreter teardown, where native threads of the process
-    # group have been seen (rarely) to abort the process after all work was done.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+        try:
+            payload = pickle.dumps((status, value))
+        except Exception:  # noqa: BLE001
+            payload = pickle.dumps(("error", f"rank {rank}: result not picklable\n{traceback.format_exc()}"))
+        conn.send_bytes(payload)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.environ.clear()
+        os.environ.update(env)
+        _clear_fsspec_instances()  # filesystems read credentials and endpoints from the environment
+        gc.collect()  # the task's garbage goes now, not inside the next task's measurements
+        torch.use_deterministic_algorithms(deterministic)
+        torch.set_default_dtype(dtype)
+        torch.set_num_threads(1)
 
 
-def run_on_ranks(fn: Callable[..., Any], *args: Any, world_size: int = 2, init_process_group: bool = True) -> list[Any]:
-    """Call ``fn(rank, *args)`` on ``world_size`` spawned processes; return the results by rank.
+class _Pool:
+    def __init__(self, world_size: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.world_size = world_size
+        self.conns: list[Connection] = []
+        self.procs: list[Any] = []
+        for rank in range(world_size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_worker, args=(rank, world_size, child), daemon=True)
+            proc.start()
+            child.close()
+            self.conns.append(parent)
+            self.procs.append(proc)
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def run(self, fn: Callable[..., Any], args: tuple[Any, ...], init_process_group: bool) -> list[Any]:
+        task = pickle.dumps((fn, args, free_port(), init_process_group, dict(os.environ)))
+        for conn in self.conns:
+            conn.send_bytes(task)
+        results: list[Any] = [None] * self.world_size
+        pending = set(range(self.world_size))
+        while pending:
+            ready = wait([self.conns[r] for r in pending] + [self.procs[r].sentinel for r in pending])
+            for rank in sorted(pending):
+                conn, proc = self.conns[rank], self.procs[rank]
+                if conn in ready or (proc.sentinel in ready and conn.poll()):
+                    status, value = pickle.loads(conn.recv_bytes())
+                    if status == "error":
+                        raise RuntimeError(f"rank {rank} of {self.world_size} failed:\n{value}")
+                    results[rank] = value
+                    pending.discard(rank)
+                elif proc.sentinel in ready:
+                    raise RuntimeError(f"rank {rank} of {self.world_size} exited with code {proc.exitcode}")
+        return results
+
+    def close(self, kill: bool = False) -> None:
+        for conn, proc in zip(self.conns, self.procs):
+            if not kill and proc.is_alive():
+                try:
+                    conn.send_bytes(b"stop")
+                except OSError:
+                    pass
+        for proc in self.procs:
+            proc.join(timeout=0 if kill else 5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        for conn in self.conns:
+            conn.close()
+
+
+_POOLS: dict[int, _Pool] = {}
+
+
+@atexit.register
+def _close_pools() -> None:
+    while _POOLS:
+        _POOLS.popitem()[1].close()
+
+
+def run_on_ranks(
+    fn: Callable[..., Any],
+    *args: Any,
+    world_size: int = 2,
+    init_process_group: bool = True,
+    fresh: bool = False,
+) -> list[Any]:
+    """Call ``fn(rank, *args)`` on ``world_size`` CPU processes; return the results by rank.
 
     The environment of each rank carries MASTER_ADDR/PORT, WORLD_SIZE, RANK and LOCAL_RANK, so a
     ``lightning.Trainer(strategy="ddp", devices=world_size)`` built inside ``fn`` joins these processes
     instead of launching its own (pass ``init_process_group=False`` then: Lightning makes the group).
     ``fn`` and its arguments must be picklable (module-level). An exception on any rank fails the call
-    with that rank's traceback.
+    with that rank's traceback. The processes are reused by later calls (see the module docstring);
+    ``fresh=True`` gives the call processes of its own.
     """
-    with tempfile.TemporaryDirectory() as outdir:
-        mp.start_processes(
-            _rank_entry,
-            args=(fn, args, world_size, free_port(), init_process_group, outdir),
-            nprocs=world_size,
-            start_method="spawn",
-            join=True,
-        )
-        results = []
-        for rank in range(world_size):
-            with open(Path(outdir) / f"rank{rank}.pkl", "rb") as f:
-                results.append(pickle.load(f))
-        return results
+    fresh = fresh or os.environ.get("BIGTRAIN_TEST_FRESH_RANKS") == "1"
+    pool = None if fresh else _POOLS.pop(world_size, None)
+    if pool is not None and not pool.alive():
+        pool.close(kill=True)
+        pool = None
+    pool = pool or _Pool(world_size)
+    try:
+        results = pool.run(fn, args, init_process_group)
+    except BaseException:
+        pool.close(kill=True)
+        raise
+    if fresh:
+        pool.close()
+    else:
+        _POOLS[world_size] = pool
+    return results

@@ -63,12 +63,20 @@ class AllocationTimeline:
         at: dict[str, float] = {}
         peak: dict[str, float] = {}
         phase = None
+        allocated: dict[int, int] = {}
         for node in events:
             size = node.extra_fields.alloc_size
             if abs(size) in sizes:
                 if size > 0:
                     phase = sizes[size]
                     at[phase] = live
+                continue
+            # Frees of blocks allocated before the profiler started (garbage of earlier work collected now) are
+            # not part of this run: count only releases of blocks seen allocated.
+            ptr = node.extra_fields.ptr
+            if size > 0:
+                allocated[ptr] = size
+            elif allocated.pop(ptr, None) is None:
                 continue
             live += size
             if phase is not None:
