@@ -201,6 +201,10 @@ def count_collectives(world: int, kinds: Sequence[str] | None = None) -> Iterato
         "reduce_scatter_tensor": lambda a, k: factor * nbytes(arg(a, k, 1, "input", "input_tensor")),
         "reduce_scatter_single": lambda a, k: factor * nbytes(arg(a, k, 1, "input", "input_tensor")),
         "all_reduce": lambda a, k: 2 * factor * nbytes(arg(a, k, 0, "tensor")),
+        # List variants and reduce (DeepSpeed's engine uses them where gloo lacks the tensor forms).
+        "all_gather": lambda a, k: factor * sum(map(nbytes, arg(a, k, 0, "tensor_list"))),
+        "reduce_scatter": lambda a, k: factor * sum(map(nbytes, arg(a, k, 1, "input_list"))),
+        "reduce": lambda a, k: factor * nbytes(arg(a, k, 0, "tensor")),
     }
     originals = {}
     for name, measure in measures.items():

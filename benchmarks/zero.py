@@ -4,7 +4,9 @@
 
 A char-GPT of 25M parameters (8 layers, width 512) trained with fp32 AdamW on Shakespeare at world
 size 2 (CPU, gloo): plain Lightning DDP (the peer) and ZeroStrategy stages 1/2/3 (offload variants too:
-on CPU they are the same runs, and say so with a NoEffectWarning). Model-state bytes per rank are taken
+on CPU they are the same runs, and say so with a NoEffectWarning), on the torch engine and on DeepSpeed's
+(``engine="deepspeed"``, rows ``ds_zero*``; its offload rows are left out, the same runs on CPU). DeepSpeed
+keeps no byte count of its own, so its "sent" figure is the wrapper's. Model-state bytes per rank are taken
 at the first optimizer step (parameters, gradients, optimizer states) and compared with the ZeRO paper's
 formulas (Rajbhandari et al., 2020, Fig. 1): DDP 16 Psi; stage 1 (8 + 8/N) Psi; stage 2 (4 + 12/N) Psi;
 stage 3 16 Psi / N. Bytes sent per step are the strategy's own count (``ZeroStrategy.comm_bytes``,
@@ -34,7 +36,8 @@ from benchmarks.common import (
     write_results,
 )
 
-CONFIGS = ("ddp", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload")
+CONFIGS = ("ddp", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload", "ds_zero1", "ds_zero2", "ds_zero3")
+DEFAULT_CONFIGS = CONFIGS  # offload on DeepSpeed's engine is the same run on CPU too: left out
 
 
 def worker(config: str, steps: int, quick: bool, out: str) -> None:
@@ -55,9 +58,11 @@ def worker(config: str, steps: int, quick: bool, out: str) -> None:
     if config == "ddp":
         strategy: Any = "ddp"
     else:
-        stage = int(config[4])
+        engine = "deepspeed" if config.startswith("ds_") else "torch"
+        stage = int(config.removeprefix("ds_")[4])
         offload = config.endswith("offload")
-        strategy = ZeroStrategy(stage=stage, offload_optimizer=offload, offload_params=offload and stage == 3)
+        strategy = ZeroStrategy(stage=stage, engine=engine, offload_optimizer=offload,
+                                offload_params=offload and stage == 3)  # fmt: skip
     report = RunReport(warmup_steps=2, verbose=False)
 
     class StepCounter(L.Callback):
@@ -83,6 +88,8 @@ def worker(config: str, steps: int, quick: bool, out: str) -> None:
         trainer.fit(model, datamodule=data)
     timed = steps - 2
     own, wrapped = ((end - start) / timed for start, end in zip(steps_cb.start, steps_cb.end, strict=True))
+    if steps_cb.start[0] < 0:  # DeepSpeed's engine keeps no count of its own: the wrapper's
+        own = wrapped
     if config == "ddp":
         own = wrapped = 2 * (2 - 1) / 2 * psi * 4  # DDP's reducer all-reduces every fp32 gradient once per step
     if trainer.is_global_zero:
@@ -93,7 +100,7 @@ def worker(config: str, steps: int, quick: bool, out: str) -> None:
 
 def theory_bytes(config: str, psi: int, n: int = 2) -> float:
     """ZeRO paper, fp32 AdamW: bytes per rank of parameters + gradients + optimizer states."""
-    stage = 0 if config == "ddp" else int(config[4])
+    stage = 0 if config == "ddp" else int(config.removeprefix("ds_")[4])
     return psi * {0: 16, 1: 8 + 8 / n, 2: 4 + 12 / n, 3: 16 / n}[stage]
 
 
@@ -164,8 +171,27 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for c in ("zero1", "zero2", "zero3")
         if c in figures
     )
+    engines = []
+    for stage in (1, 2, 3):
+        torch_f, ds_f = figures.get(f"zero{stage}"), figures.get(f"ds_zero{stage}")
+        if torch_f is None or ds_f is None:
+            continue
+        engines.append({
+            "stage": stage,
+            "state ds/torch": ratio(max(ds_f["model_state_bytes_per_rank"]), max(torch_f["model_state_bytes_per_rank"])),
+            "peak RSS ds/torch": ratio(max(ds_f["peak_rss_mib_per_rank"]), max(torch_f["peak_rss_mib_per_rank"])),
+            "step ds/torch": ratio(ds_f["step_seconds"]["median"], torch_f["step_seconds"]["median"]),
+            "sent ds/torch": ratio(ds_f["bytes_sent_per_step"], torch_f["bytes_sent_per_step"]),
+            "ds B/param": ds_f["bytes_per_param"],
+            "torch B/param": torch_f["bytes_per_param"],
+        })  # fmt: skip
+    engine_table = None
+    if engines:
+        print("\nDeepSpeed's engine vs the torch engine (ZeroStrategy(engine='deepspeed') / engine='torch'), per rank")
+        engine_table = print_table(engines, list(engines[0]))
+        headline += "; deepspeed/torch step " + ", ".join(f"z{e['stage']} x{e['step ds/torch']:.2f}" for e in engines)
     payload = {"config": {"repeats": repeats, "steps": steps, "quick": args.quick, "psi": psi},
-               "figures": figures, "table": table}  # fmt: skip
+               "figures": figures, "table": table, "engines": engines, "engine_table": engine_table}  # fmt: skip
     print(f"wrote {write_results('zero', payload, headline, args.results_dir)}")
     return figures
 

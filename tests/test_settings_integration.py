@@ -3,6 +3,7 @@ rejected."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import lightning as L
@@ -32,13 +33,25 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return (full_tensor() if callable(full_tensor) else t).detach().reshape(-1).float()
 
 
+def _gathered(model: torch.nn.Module) -> contextlib.AbstractContextManager:
+    """DeepSpeed's stage 3 keeps each parameter partitioned between steps: gather them to read them whole."""
+    partitioned = [p for p in model.parameters() if hasattr(p, "ds_tensor")]
+    if not partitioned:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(partitioned)
+
+
 def _flat_params(model: torch.nn.Module) -> torch.Tensor:
-    return torch.cat([_full(p) for p in model.parameters()])
+    with _gathered(model):
+        return torch.cat([_full(p) for p in model.parameters()])
 
 
 def _flat_state(model: torch.nn.Module) -> torch.Tensor:
     """Parameters and buffers (BatchNorm running statistics included)."""
-    return torch.cat([_full(t) for t in model.state_dict().values() if t.is_floating_point()])
+    with _gathered(model):
+        return torch.cat([_full(t) for t in model.state_dict().values() if t.is_floating_point()])
 
 
 class _Interrupt(L.Callback):

@@ -198,6 +198,15 @@ class MagnitudePruning(L.Callback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
+        from lightning.pytorch.strategies import DeepSpeedStrategy
+
+        if isinstance(trainer.strategy, DeepSpeedStrategy):
+            raise ValueError(
+                f"MagnitudePruning cannot prune under {type(trainer.strategy).__name__}: DeepSpeed's engine steps "
+                "its own fp32 copies of the weights and copies them back over the module's, so masks applied to "
+                "the module would be undone silently. Use ZeroStrategy(engine='torch') (any stage), DDP or "
+                "CompressedDDPStrategy."
+            )
         self.names = self._choose(pl_module)
         if self.sparsity == 0.0:
             warn_once("MagnitudePruning(sparsity=0.0) prunes nothing; give a sparsity above 0.", NoEffectWarning)
@@ -561,12 +570,14 @@ class StructuredPruning(L.Callback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+        from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
 
         from lightning_bigtrain.strategies import CompressedDDPStrategy
 
         strategy = trainer.strategy
-        if isinstance(strategy, CompressedDDPStrategy) or not isinstance(strategy, (DDPStrategy, SingleDeviceStrategy)):
+        if isinstance(strategy, (CompressedDDPStrategy, DeepSpeedStrategy)) or not isinstance(
+            strategy, (DDPStrategy, SingleDeviceStrategy)
+        ):
             raise ValueError(
                 f"StructuredPruning changes layer shapes mid-training, which {type(strategy).__name__} cannot follow "
                 "(its shards, buckets or compression state are laid out for the old shapes). Prune with "

@@ -126,7 +126,14 @@ class RunReport(Callback):
     ) -> None:
         # The second step: optimizer states are created lazily by the first one.
         if self._state_bytes is None and trainer.global_step >= 1:
-            self._state_bytes = model_state_bytes(pl_module, optimizer)
+            self._state_bytes = self._count(trainer, pl_module, optimizer)
+
+    @staticmethod
+    def _count(trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> dict[str, int]:
+        """Model-state bytes: the strategy's own count where it keeps states the module does not show
+        (DeepSpeed's engine: flat fp32 partitions, gradient buffers), else the module's and optimizer's."""
+        own = getattr(trainer.strategy, "model_state_bytes", None)
+        return own() if callable(own) else model_state_bytes(pl_module, optimizer)
 
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.sanity_checking:
@@ -142,7 +149,7 @@ class RunReport(Callback):
         elapsed = time.perf_counter() - self._t0 if self._t0 is not None else 0.0
         if self._state_bytes is None and trainer.optimizers:
             # A one-step run never reached a second step: count what is held now.
-            self._state_bytes = model_state_bytes(pl_module, trainer.optimizers[0])
+            self._state_bytes = self._count(trainer, pl_module, trainer.optimizers[0])
         state = self._state_bytes or {"params": 0, "grads": 0, "optimizer": 0, "total": 0}
         local = torch.tensor(
             [elapsed, self._samples, self._tokens, peak_memory_bytes(device), state["total"]],

@@ -66,6 +66,16 @@ def _clear_fsspec_instances() -> None:
         todo.extend(cls.__subclasses__())
 
 
+def _destroy_process_group() -> None:
+    """Destroy the task's process group; through DeepSpeed when it holds references to it (its cached
+    groups would otherwise outlive the group, and the next task's engine would use them)."""
+    ds = sys.modules.get("deepspeed.comm.comm")
+    if ds is not None and ds.cdb is not None and ds.cdb.is_initialized():
+        ds.destroy_process_group()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def _worker(rank: int, world_size: int, conn: Connection) -> None:
     torch.set_num_threads(1)
     env = dict(os.environ)
@@ -85,8 +95,7 @@ def _worker(rank: int, world_size: int, conn: Connection) -> None:
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(1)
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        _destroy_process_group()
         try:
             payload = pickle.dumps((status, value))
         except Exception:  # noqa: BLE001

@@ -28,7 +28,13 @@ from lightning_bigtrain.compression import Cast, OneBit, PowerSGD, Quantize, Top
 from lightning_bigtrain.data import FashionMNISTDataModule, ShakespeareDataModule
 from lightning_bigtrain.models import CharGPT, FashionCNN
 from lightning_bigtrain.plugins import BF16Precision
-from lightning_bigtrain.strategies import CompressedDDPStrategy, ZeroOptions, ZeroStrategy
+from lightning_bigtrain.strategies import (
+    CompressedDDPStrategy,
+    DeepSpeedOptions,
+    DeepSpeedZeroStrategy,
+    ZeroOptions,
+    ZeroStrategy,
+)
 
 __all__ = ["SETTINGS", "BadInput", "Setting", "by_name"]
 
@@ -134,6 +140,13 @@ def _zero(stage: int) -> Callable[[], dict[str, Any]]:
     return lambda: {"strategy": ZeroStrategy(stage=stage, min_wrap_params=1000)}
 
 
+def _deepspeed(stage: int) -> Callable[[], dict[str, Any]]:
+    # Tiny buckets and no persistence threshold, so the tiny models are partitioned and bucketed as large ones.
+    options = DeepSpeedOptions(reduce_bucket_size=5000, allgather_bucket_size=5000,
+                               param_persistence_threshold=0 if stage == 3 else None)  # fmt: skip
+    return lambda: {"strategy": ZeroStrategy(stage=stage, engine="deepspeed", deepspeed=options)}
+
+
 SETTINGS: tuple[Setting, ...] = (
     # Plain Lightning DDP on the reference models: the baseline every feature is compared with.
     # Resume is exact: gloo's 2-rank all-reduce is deterministic and the models use no dropout.
@@ -212,6 +225,36 @@ SETTINGS: tuple[Setting, ...] = (
         trainer_kwargs=lambda: {**_zero(3)(), "plugins": [BF16Precision("kahan")]},
     ),
     Setting(name="zero1_gpt", model=_tiny_gpt_dropout, data=_tiny_shakespeare, trainer_kwargs=_zero(1)),
+    # DeepSpeed's engine behind the same API, on CPU. Resume is exact, dropout included (DeepSpeed's
+    # checkpoint folder plus the step-seeded generators).
+    Setting(
+        name="ds_zero2_gpt",
+        model=_tiny_gpt_dropout,
+        data=_tiny_shakespeare,
+        trainer_kwargs=_deepspeed(2),
+        bad_inputs=(
+            BadInput("engine", lambda: ZeroStrategy(engine="megatron"), ValueError,  # type: ignore[arg-type]
+                     r"ZeroStrategy\(engine='megatron'\)`: choose one of torch, deepspeed, auto"),
+            BadInput("options_without_engine", lambda: ZeroStrategy(deepspeed=DeepSpeedOptions()), ValueError,
+                     r"add engine='deepspeed'"),
+            BadInput("zeropp_stage2", lambda: ZeroStrategy(2, engine="deepspeed",
+                     deepspeed=DeepSpeedOptions(quantized_weights=True)), ValueError, r"ZeRO\+\+ acts on stage 3"),
+            BadInput("unknown_key", lambda: DeepSpeedZeroStrategy(deepspeed=DeepSpeedOptions(
+                     config={"wall_clock_breakdwn": True})), ValueError,
+                     r"DeepSpeed has no config key\(s\) 'wall_clock_breakdwn'"),
+            BadInput("unknown_zero_key", lambda: DeepSpeedZeroStrategy(deepspeed=DeepSpeedOptions(
+                     config={"zero_optimization": {"overlap_com": True}})), ValueError,
+                     r"DeepSpeed refuses overlap_com"),
+            BadInput("trainer_key", lambda: DeepSpeedZeroStrategy(deepspeed=DeepSpeedOptions(
+                     config={"gradient_accumulation_steps": 4})), ValueError,
+                     r"set from Trainer\(accumulate_grad_batches=\.\.\.\)"),
+            BadInput("compressor", lambda: ZeroStrategy(1, engine="deepspeed", compression="powersgd"), ValueError,
+                     r"can only communicate gradients in a lower precision"),
+            BadInput("bucket", lambda: DeepSpeedOptions(reduce_bucket_size=0), ValueError,
+                     r"DeepSpeedOptions\(reduce_bucket_size=0\)`: must be >= 1"),
+        ),
+    ),
+    Setting(name="ds_zero3_gpt", model=_tiny_gpt_dropout, data=_tiny_shakespeare, trainer_kwargs=_deepspeed(3)),
     # Gradient compression. Resume is exact: error-feedback buffers, PowerSGD factors and the step
     # counter (which seeds stochastic rounding) are checkpointed per rank.
     Setting(
