@@ -200,9 +200,10 @@ class MagnitudePruning(L.Callback):
             return
         from lightning.pytorch.strategies import DeepSpeedStrategy
 
-        if isinstance(trainer.strategy, DeepSpeedStrategy):
+        strategy = getattr(trainer, "strategy", None)
+        if isinstance(strategy, DeepSpeedStrategy):
             raise ValueError(
-                f"MagnitudePruning cannot prune under {type(trainer.strategy).__name__}: DeepSpeed's engine steps "
+                f"MagnitudePruning cannot prune under {type(strategy).__name__}: DeepSpeed's engine steps "
                 "its own fp32 copies of the weights and copies them back over the module's, so masks applied to "
                 "the module would be undone silently. Use ZeroStrategy(engine='torch') (any stage), DDP or "
                 "CompressedDDPStrategy."

@@ -22,6 +22,11 @@ NAMES = {
     "bigtrain_ddp_onebit",
     "bigtrain_ddp_int8",
     "bigtrain_ddp_fp16",
+    "bigtrain_deepspeed_zero1",
+    "bigtrain_deepspeed_zero2",
+    "bigtrain_deepspeed_zero3",
+    "bigtrain_deepspeed_zero2_offload",
+    "bigtrain_deepspeed_zero3_offload",
 }
 
 
