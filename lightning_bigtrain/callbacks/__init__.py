@@ -1,6 +1,7 @@
 """Lightning callbacks of lightning_bigtrain."""
 
 from lightning_bigtrain.callbacks.distillation import DistillationOptions, KnowledgeDistillation
+from lightning_bigtrain.callbacks.fusion import OperatorFusion
 from lightning_bigtrain.callbacks.pruning import (
     MagnitudePruning,
     PruningSchedule,
@@ -14,6 +15,7 @@ __all__ = [
     "DistillationOptions",
     "KnowledgeDistillation",
     "MagnitudePruning",
+    "OperatorFusion",
     "PruningSchedule",
     "RunReport",
     "StructuredPruning",

@@ -1,0 +1,216 @@
+"""OperatorFusion: compile applied after the strategy wraps the model, the optimizer on its fused kernel, and a
+measured choice that keeps eager when compiling does not pay."""
+
+from __future__ import annotations
+
+import time
+import warnings
+from typing import Any, Literal, get_args
+
+import lightning as L
+import torch
+from torch import nn
+
+from lightning_bigtrain.functional.fusion import fuse_optimizer, repeated_blocks, supports_fused
+from lightning_bigtrain.warnings import BigtrainWarning, NoEffectWarning, warn_once
+
+__all__ = ["OperatorFusion"]
+
+CompileMode = Literal["auto", "regional", "full", "off"]
+
+
+class OperatorFusion(L.Callback):
+    """Fuse operators of any LightningModule's training step, chosen by measurement.
+
+    * ``compile``: ``"regional"`` compiles each repeated block (transformer blocks, ResNet blocks; see
+      :func:`~lightning_bigtrain.functional.fusion.repeated_blocks`) once and reuses the code for every
+      instance, so start-up costs one block's compile; ``"full"`` compiles the module's whole ``forward``;
+      ``"off"`` keeps eager; ``"auto"`` runs the first training steps under each candidate (``off``, then
+      ``regional`` and ``full``), times ``trial_steps`` steps of each after ``warmup_steps`` (compiling happens
+      there), keeps the fastest, logs the choice (``fusion/choice``: 0 off, 1 regional, 2 full) and reports the
+      timings. Eager is kept unless a compiled candidate is faster by more than ``min_gain``, so the result
+      is never slower than eager beyond the noise of the trial. Those steps are ordinary training steps:
+      compiling changes the arithmetic's rounding only.
+    * Compile is applied in ``on_train_start``: after the strategy has wrapped the model (DDP,
+      CompressedDDPStrategy, ZeroStrategy), which Lightning does not redo when a module was compiled before
+      ``fit`` (PL#20242). Callbacks that change the model (pruning) run before: list them first.
+    * ``fused_optimizer``: the optimizer from ``configure_optimizers`` is rebuilt with its fused kernel (torch
+      uses the for-loop implementation on CPU by default), state, param groups and LR-scheduler links kept.
+      Optimizers that a strategy wraps (ZeroStrategy stages 1-2, DeepSpeed) or that hold sharded tensors are
+      left as they are, with a warning saying why.
+    * Graph breaks (with TorchDynamo's reasons) and the number of graphs compiled during the run are reported
+      at the end and logged (``fusion/graph_breaks``, ``fusion/graphs``); a recompilation storm (more than 8
+      graphs per compiled module) is warned about.
+
+    Args:
+        compile: ``"auto"``, ``"regional"``, ``"full"`` or ``"off"``.
+        fused_optimizer: Rebuild the optimizer on its fused kernel.
+        warmup_steps: Steps per ``auto`` candidate before timing (its compile happens here).
+        trial_steps: Timed steps per ``auto`` candidate.
+        min_gain: A compiled candidate must be this much faster than eager (relative) to be kept.
+    """
+
+    def __init__(
+        self,
+        compile: CompileMode = "auto",
+        *,
+        fused_optimizer: bool = True,
+        warmup_steps: int = 2,
+        trial_steps: int = 3,
+        min_gain: float = 0.03,
+    ) -> None:
+        if compile not in get_args(CompileMode):
+            raise ValueError(
+                f"`OperatorFusion(compile={compile!r})`: choose one of {', '.join(get_args(CompileMode))}."
+            )
+        if warmup_steps < 1 or trial_steps < 1:
+            raise ValueError(
+                f"`OperatorFusion(warmup_steps={warmup_steps}, trial_steps={trial_steps})`: both must be >= 1 "
+                "(the first compiled step compiles; timing it would measure the compiler)."
+            )
+        if not 0 <= min_gain < 1:
+            raise ValueError(f"`OperatorFusion(min_gain={min_gain})`: must be in [0, 1).")
+        self.compile = compile
+        self.fused_optimizer = fused_optimizer
+        self.warmup_steps = warmup_steps
+        self.trial_steps = trial_steps
+        self.min_gain = min_gain
+        self.choice: str | None = None
+        self.timings: dict[str, float] = {}
+        self._trials: list[str] = []
+        self._step_times: list[float] = []
+        self._t0: float | None = None
+        self._compiled: list[nn.Module] = []
+        self._counters_at_start: dict[str, Any] = {}
+        self._modules_compiled = 0
+
+    # ------------------------------------------------------------------------------------------------ set-up
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.fused_optimizer:
+            self._fuse_optimizers(trainer)
+        self._counters_at_start = _dynamo_counts()
+        if self.compile == "auto":
+            self._trials = ["off", "regional", "full"]
+            if not repeated_blocks(pl_module):
+                self._trials.remove("regional")
+            self._apply(pl_module, self._trials[0])
+        else:
+            self.choice = self.compile
+            self._apply(pl_module, self.compile)
+
+    def _fuse_optimizers(self, trainer: L.Trainer) -> None:
+        fused = []
+        for optimizer in trainer.optimizers:
+            reason = supports_fused(optimizer)
+            if reason is not None:
+                warn_once(f"OperatorFusion(fused_optimizer=True) left {type(optimizer).__name__} as it is: {reason}.",
+                          NoEffectWarning)  # fmt: skip
+                fused.append(optimizer)
+                continue
+            new = fuse_optimizer(optimizer)
+            for config in trainer.lr_scheduler_configs:
+                if getattr(config.scheduler, "optimizer", None) is optimizer:
+                    config.scheduler.optimizer = new
+            fused.append(new)
+        trainer.strategy.optimizers = fused
+
+    def _apply(self, pl_module: L.LightningModule, mode: str) -> None:
+        """Switch the module to ``mode`` (undoing what an earlier trial compiled)."""
+        for m in self._compiled:
+            m._compiled_call_impl = None  # nn.Module.compile's handle: None restores the eager forward
+        self._compiled = []
+        if mode == "regional":
+            self._compiled = repeated_blocks(pl_module)
+            if not self._compiled:
+                warn_once(
+                    f"OperatorFusion(compile='regional'): {type(pl_module).__name__} has no repeated blocks; "
+                    "compiling the whole forward instead.",
+                    NoEffectWarning,
+                )
+                self._compiled = [pl_module]
+        elif mode == "full":
+            self._compiled = [pl_module]
+        for m in self._compiled:
+            m.compile()
+        self._modules_compiled += len(self._compiled)
+
+    # ----------------------------------------------------------------------------------------- auto trials
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        if self._trials:
+            self._t0 = time.perf_counter()
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if not self._trials or self._t0 is None:
+            return
+        self._step_times.append(time.perf_counter() - self._t0)
+        if len(self._step_times) < self.warmup_steps + self.trial_steps:
+            return
+        timed = sorted(self._step_times[self.warmup_steps :])
+        self.timings[self._trials[0]] = timed[len(timed) // 2]  # median
+        self._step_times = []
+        self._trials.pop(0)
+        if self._trials:
+            self._apply(pl_module, self._trials[0])
+            return
+        eager = self.timings["off"]
+        best = min(self.timings, key=self.timings.__getitem__)
+        self.choice = best if self.timings[best] < eager * (1 - self.min_gain) else "off"
+        self._apply(pl_module, self.choice)
+        summary = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in self.timings.items())
+        rank_zero_print(trainer, f"OperatorFusion(compile='auto') chose {self.choice!r} (median step: {summary}).")
+        for logger in trainer.loggers:
+            logger.log_metrics({"fusion/choice": ["off", "regional", "full"].index(self.choice),
+                                **{f"fusion/step_ms_{k}": v * 1e3 for k, v in self.timings.items()}},
+                               step=trainer.global_step)  # fmt: skip
+
+    # ---------------------------------------------------------------------------------------------- report
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        counts = _dynamo_counts()
+        breaks = counts["graph_breaks"] - self._counters_at_start.get("graph_breaks", 0)
+        graphs = counts["graphs"] - self._counters_at_start.get("graphs", 0)
+        for logger in trainer.loggers:
+            logger.log_metrics({"fusion/graph_breaks": breaks, "fusion/graphs": graphs}, step=trainer.global_step)
+        if breaks:
+            new = [r for r in counts["reasons"] if r not in self._counters_at_start.get("reasons", [])]
+            warnings.warn(
+                f"OperatorFusion: TorchDynamo broke the compiled graph {breaks} time(s) in this run"
+                f"{' (' + '; '.join(new[:3]) + ')' if new else ''}: the code between breaks runs eagerly. "
+                "Run with TORCH_LOGS=graph_breaks for where; compile='off' avoids it.",
+                BigtrainWarning,
+                stacklevel=2,
+            )
+        # Each compiled module needs a forward and a backward graph, a few more for the last, smaller batch or
+        # a train/eval switch; many more means shapes or guards keep changing (a recompilation storm).
+        if graphs > 8 * max(1, self._modules_compiled):
+            warnings.warn(
+                f"OperatorFusion: {graphs} graphs were compiled for {self._modules_compiled} compiled module(s): "
+                "changing batch shapes or Python values recompile the model. Pad batches to fixed shapes "
+                "(or drop_last=True), or use compile='off'.",
+                BigtrainWarning,
+                stacklevel=2,
+            )
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._apply(pl_module, "off") if self._trials else None
+        self._trials = []
+
+
+def _dynamo_counts() -> dict[str, Any]:
+    """TorchDynamo's process-wide counters: graph breaks (with their reasons) and graphs compiled."""
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:  # pragma: no cover
+        return {"graph_breaks": 0, "graphs": 0, "reasons": []}
+    reasons = [*counters["graph_break"], *counters["unimplemented"]]
+    return {
+        "graph_breaks": int(sum(counters["graph_break"].values()) + sum(counters["unimplemented"].values())),
+        "graphs": int(counters["stats"].get("unique_graphs", 0)),
+        "reasons": [str(r).splitlines()[0] for r in reasons],
+    }
+
+
+def rank_zero_print(trainer: L.Trainer, message: str) -> None:
+    if trainer.is_global_zero:
+        print(message, flush=True)
