@@ -10,6 +10,8 @@ import torch.nn.functional as F
 from lightning.pytorch.utilities.types import OptimizerLRSchedulerConfig
 from torch import nn
 
+from lightning_bigtrain.functional.fused_loss import chunked_linear_cross_entropy
+
 __all__ = ["Block", "CausalSelfAttention", "CharGPT"]
 
 
@@ -108,6 +110,9 @@ class CharGPT(L.LightningModule):
         self.ln_f = nn.LayerNorm(n_embd)
         self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
         self.lr, self.weight_decay, self.warmup_steps = lr, weight_decay, warmup_steps
+        # Declared for OperatorFusion: when True, training losses come from the chunked linear + cross-entropy
+        # (the logits are never materialized); `forward(idx)` still returns logits.
+        self.fused_lm_head_loss = False
         self.apply(self._init_weights)
         # GPT-2 (Radford et al., 2019): residual projections scaled by 1/sqrt(2 * n_layer).
         for name, p in self.named_parameters():
@@ -123,8 +128,10 @@ class CharGPT(L.LightningModule):
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """Logits (batch x time x vocab) of token ids (batch x time)."""
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (batch x time x vocab) of token ids (batch x time); with ``targets``, the mean cross-entropy
+        (through the chunked LM-head loss when ``fused_lm_head_loss`` is set). The loss is computed inside
+        ``forward`` so that sharding wrappers (FSDP2) have the head's weight gathered."""
         t = idx.shape[1]
         if t > self.block_size:
             raise ValueError(f"Sequence length {t} exceeds CharGPT(block_size={self.block_size}).")
@@ -132,10 +139,18 @@ class CharGPT(L.LightningModule):
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
         for block in self.blocks:
             x = block(x)
-        return self.lm_head(self.ln_f(x))
+        hidden = self.ln_f(x)
+        if targets is not None and self.fused_lm_head_loss:
+            return chunked_linear_cross_entropy(hidden, self.lm_head.weight, targets)
+        logits = self.lm_head(hidden)
+        if targets is not None:
+            return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+        return logits
 
     def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         idx, targets = batch
+        if self.fused_lm_head_loss and self.training:
+            return self(idx, targets)
         logits = self(idx)
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
 

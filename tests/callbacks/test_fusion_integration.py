@@ -31,9 +31,11 @@ def _data() -> ShakespeareDataModule:
 class _Losses(L.Callback):
     def __init__(self) -> None:
         self.losses: list[float] = []
+        self.chunked: list[bool] = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.losses.append(float(outputs["loss"]))
+        self.chunked.append(bool(getattr(pl_module, "fused_lm_head_loss", False)))
 
 
 def _ddp_runs(rank: int) -> dict:
@@ -97,10 +99,32 @@ def test_graph_breaks_are_reported():
     assert any("broke the compiled graph" in m and "Data-dependent branching" in m for m in messages), messages
 
 
+def test_chunked_lm_head_loss_trains_like_the_plain_loss_and_is_switched_back():
+    runs = {}
+    for name, fused_loss in (("plain", False), ("chunked", True)):
+        L.seed_everything(0, verbose=False)
+        model, losses = _model(), _Losses()
+        fusion = OperatorFusion("off", fused_optimizer=False, fused_loss=fused_loss)
+        trainer = L.Trainer(devices=1, max_steps=6, callbacks=[fusion, losses], **_COMMON)
+        trainer.fit(model, datamodule=_data())
+        assert losses.chunked == [fused_loss] * 6  # the chunked loss computed every step when switched on
+        assert fusion.fused_loss_active is False and model.fused_lm_head_loss is False  # put back at teardown
+        runs[name] = losses.losses
+    # The same loss, summed in another order (per chunk): float32 rounding only.
+    torch.testing.assert_close(torch.tensor(runs["chunked"]), torch.tensor(runs["plain"]), rtol=1e-5, atol=0)
+    # "auto" leaves a 65-character vocabulary alone: chunking pays from 8,192 classes up.
+    auto = OperatorFusion("off", fused_optimizer=False)
+    trainer = L.Trainer(devices=1, max_steps=1, callbacks=[auto], **_COMMON)
+    trainer.fit(_model(), datamodule=_data())
+    assert auto.fused_loss_active is False
+
+
 def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match=r"OperatorFusion\(compile='max'\)`: choose one of auto, regional, full, off"):
         OperatorFusion("max")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"warmup_steps=0, trial_steps=3\)`: both must be >= 1"):
         OperatorFusion(warmup_steps=0)
+    with pytest.raises(ValueError, match=r"fused_loss='yes'"):
+        OperatorFusion(fused_loss="yes")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"min_gain=1.5"):
         OperatorFusion(min_gain=1.5)
