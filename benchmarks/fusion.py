@@ -172,11 +172,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "compile speed-up": ratio(eager, runs["compile"]["median_step_s"]),
                 "OperatorFusion speed-up": ratio(eager, runs["fusion"]["median_step_s"]),
                 "auto chose": runs["fusion"]["choice"],
-                "regional start-up / full": ratio(runs["fusion_regional"]["startup_s"], runs["fusion_full"]["startup_s"]),
+                "regional start-up / full": ratio(
+                    runs["fusion_regional"]["startup_s"], runs["fusion_full"]["startup_s"]
+                ),
                 "regional speed-up": ratio(eager, runs["fusion_regional"]["median_step_s"]),
                 "full speed-up": ratio(eager, runs["fusion_full"]["median_step_s"]),
             })  # fmt: skip
-            headline.append(f"{model_name} step x{rows[-1]['OperatorFusion speed-up']:.2f} (compile x{rows[-1]['compile speed-up']:.2f})")
+            headline.append(
+                f"{model_name} step x{rows[-1]['OperatorFusion speed-up']:.2f} "
+                f"(compile x{rows[-1]['compile speed-up']:.2f})"
+            )
         print("\nTraining step, 1 CPU process x 2 threads; speed-ups are eager / variant (median step, last 15 steps)")
         tables["step"] = print_table(rows, list(rows[0]))
     if "optimizer" in args.parts:
@@ -189,7 +194,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         headline.append(f"fused AdamW x{rows[0]['speed-up']:.2f}")
     if "loss" in args.parts:
         tokens, vocab = (2048, 8000) if args.quick else (8192, 32000)
-        runs = {v: run_worker("benchmarks.fusion", ["--worker", "loss", v, str(tokens), str(vocab)]) for v in ("plain", "chunked")}
+        runs = {
+            v: run_worker("benchmarks.fusion", ["--worker", "loss", v, str(tokens), str(vocab)])
+            for v in ("plain", "chunked")
+        }
         figures["loss"] = runs
         rows = [{"tokens": tokens, "vocab": vocab,
                  "plain peak MiB": runs["plain"]["peak_bytes"] / 2**20,
@@ -198,7 +206,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                  "time chunked / plain": ratio(runs["chunked"]["seconds"], runs["plain"]["seconds"])}]  # fmt: skip
         print("\nLM-head loss, forward + backward (peak: process RSS growth)")
         tables["loss"] = print_table(rows, list(rows[0]))
-        headline.append(f"chunked CE peak x{rows[0]['peak chunked / plain']:.2f} at time x{rows[0]['time chunked / plain']:.2f}")
+        headline.append(
+            f"chunked CE peak x{rows[0]['peak chunked / plain']:.2f} at time x{rows[0]['time chunked / plain']:.2f}"
+        )
     payload = {"config": {"quick": args.quick, "parts": args.parts}, "figures": figures, "tables": tables}
     print(f"wrote {write_results('fusion', payload, '; '.join(headline), args.results_dir)}")
     return figures

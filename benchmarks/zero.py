@@ -178,7 +178,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             continue
         engines.append({
             "stage": stage,
-            "state ds/torch": ratio(max(ds_f["model_state_bytes_per_rank"]), max(torch_f["model_state_bytes_per_rank"])),
+            "state ds/torch": ratio(
+                max(ds_f["model_state_bytes_per_rank"]), max(torch_f["model_state_bytes_per_rank"])
+            ),
             "peak RSS ds/torch": ratio(max(ds_f["peak_rss_mib_per_rank"]), max(torch_f["peak_rss_mib_per_rank"])),
             "step ds/torch": ratio(ds_f["step_seconds"]["median"], torch_f["step_seconds"]["median"]),
             "sent ds/torch": ratio(ds_f["bytes_sent_per_step"], torch_f["bytes_sent_per_step"]),

@@ -8,7 +8,6 @@ import warnings
 from typing import Any, Literal, get_args
 
 import lightning as L
-import torch
 from torch import nn
 
 from lightning_bigtrain.functional.fusion import fuse_optimizer, repeated_blocks, supports_fused
@@ -179,7 +178,9 @@ class OperatorFusion(L.Callback):
         self._modules_compiled += len(self._compiled)
 
     # ----------------------------------------------------------------------------------------- auto trials
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if self._trials:
             self._t0 = time.perf_counter()
 

@@ -118,7 +118,8 @@ def _known_top_level_keys() -> set[str]:
 
     keys = {"zero_optimization", "tensorboard", "wandb", "csv_monitor", "comet", "compile", "amp",
             "sparse_attention", "elasticity", "autotuning", "compression_training", "nebula",
-            "hybrid_engine", "curriculum_learning", "data_efficiency", "pipeline", "optimizer", "scheduler"}  # fmt: skip
+            "hybrid_engine", "curriculum_learning", "data_efficiency", "pipeline", "optimizer",
+            "scheduler"}  # fmt: skip
     for name in ("deepspeed.runtime.constants", "deepspeed.profiling.constants", "deepspeed.autotuning.constants",
                  "deepspeed.runtime.data_pipeline.constants", "deepspeed.runtime.swap_tensor.constants",
                  "deepspeed.runtime.activation_checkpointing.config", "deepspeed.comm.constants",
@@ -127,7 +128,9 @@ def _known_top_level_keys() -> set[str]:
             module = importlib.import_module(name)
         except ImportError:
             continue
-        keys.update(v for k, v in vars(module).items() if k.isupper() and isinstance(v, str) and re.fullmatch(r"[a-z_0-9]+", v))
+        keys.update(
+            v for k, v in vars(module).items() if k.isupper() and isinstance(v, str) and re.fullmatch(r"[a-z_0-9]+", v)
+        )
     return keys
 
 
@@ -426,8 +429,7 @@ class DeepSpeedZeroStrategy(DeepSpeedStrategy):
         hpz = self.deepspeed_options.hierarchical_partition_size
         if hpz > 1 and self.world_size % hpz:
             raise ValueError(
-                f"`DeepSpeedOptions(hierarchical_partition_size={hpz})` must divide the world size "
-                f"({self.world_size})."
+                f"`DeepSpeedOptions(hierarchical_partition_size={hpz})` must divide the world size ({self.world_size})."
             )
         offload, offload_params = self._offload_requested
         assert isinstance(self.config, dict)

@@ -30,13 +30,13 @@ from lightning_bigtrain.functional.sharding import (
     is_fully_sharded,
     shard_module_,
 )
-from lightning_bigtrain.strategies.deepspeed_zero import DeepSpeedOptions, deepspeed_available
 from lightning_bigtrain.strategies._compression import (
     CHECKPOINT_KEY,
     CompressionSupport,
     compression_applies,
     resolve_compression,
 )
+from lightning_bigtrain.strategies.deepspeed_zero import DeepSpeedOptions
 from lightning_bigtrain.warnings import NoEffectWarning, warn_once
 
 if TYPE_CHECKING:
@@ -170,7 +170,9 @@ class ZeroStrategy(ModelParallelStrategy):
                     NoEffectWarning,
                 )
             # Not an instance of this class, so Python does not call __init__ on it again.
-            return DeepSpeedZeroStrategy(stage, compression=compression, options=options, deepspeed=deepspeed, **offload)
+            return DeepSpeedZeroStrategy(
+                stage, compression=compression, options=options, deepspeed=deepspeed, **offload
+            )
         return super().__new__(cls)
 
     def __init__(

@@ -46,4 +46,6 @@ def test_bad_shapes_name_the_argument():
     with pytest.raises(ValueError, match=r"targets of shape \(2,\) do not match the tokens \(3,\)"):
         chunked_linear_cross_entropy(torch.randn(3, 4), torch.randn(10, 4), torch.zeros(2, dtype=torch.long))
     with pytest.raises(ValueError, match=r"chunk_size=0"):
-        chunked_linear_cross_entropy(torch.randn(3, 4), torch.randn(10, 4), torch.zeros(3, dtype=torch.long), chunk_size=0)
+        chunked_linear_cross_entropy(
+            torch.randn(3, 4), torch.randn(10, 4), torch.zeros(3, dtype=torch.long), chunk_size=0
+        )

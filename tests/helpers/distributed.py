@@ -4,14 +4,15 @@ Starting a rank costs about 7 s on the 2-core CI host (importing torch and Light
 the tiny fits the tests run in it. The ranks are therefore kept between calls: one pool of ``world_size``
 spawned workers per world size, each call on a fresh port and a fresh process group, with the process
 state a test can change (environment, deterministic-algorithms flag, default dtype, thread count, fsspec's
-cached filesystems) put back and the task's garbage collected afterwards. A rank that raises or dies takes its pool down (peers may be blocked in a collective), and the
-next call starts a new one. ``BIGTRAIN_TEST_FRESH_RANKS=1`` (or ``fresh=True``) spawns new processes for
-every call instead.
+cached filesystems) put back and the task's garbage collected afterwards. A rank that raises or dies takes
+its pool down (peers may be blocked in a collective), and the next call starts a new one.
+``BIGTRAIN_TEST_FRESH_RANKS=1`` (or ``fresh=True``) spawns new processes for every call instead.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import gc
 import multiprocessing as mp
 import os
@@ -51,7 +52,7 @@ def _run_task(rank: int, world_size: int, task: bytes) -> tuple[str, Any]:
         if init_process_group:
             dist.init_process_group("gloo", rank=rank, world_size=world_size)
         return "ok", fn(rank, *args)
-    except BaseException:  # noqa: BLE001 - reported to the parent with the traceback
+    except BaseException:
         return "error", traceback.format_exc()
 
 
@@ -98,7 +99,7 @@ def _worker(rank: int, world_size: int, conn: Connection) -> None:
         _destroy_process_group()
         try:
             payload = pickle.dumps((status, value))
-        except Exception:  # noqa: BLE001
+        except Exception:
             payload = pickle.dumps(("error", f"rank {rank}: result not picklable\n{traceback.format_exc()}"))
         conn.send_bytes(payload)
         sys.stdout.flush()
@@ -150,12 +151,10 @@ class _Pool:
         return results
 
     def close(self, kill: bool = False) -> None:
-        for conn, proc in zip(self.conns, self.procs):
+        for conn, proc in zip(self.conns, self.procs, strict=True):
             if not kill and proc.is_alive():
-                try:
+                with contextlib.suppress(OSError):
                     conn.send_bytes(b"stop")
-                except OSError:
-                    pass
         for proc in self.procs:
             proc.join(timeout=0 if kill else 5)
             if proc.is_alive():
