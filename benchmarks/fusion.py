@@ -3,11 +3,13 @@ the chunked LM-head loss.
 
     python -m benchmarks.fusion [--quick] [--parts step optimizer loss] [--results-dir DIR]
 
-* step: a char-GPT (4 layers, width 256, block 128, batch 16) and the Fashion-MNIST CNN, one CPU process with
-  2 threads, 30 steps after start-up. Peers in the same run: eager Lightning (no callback) and plain
+* step: a char-GPT (4 layers, width 256, block 128, batch 16), the Fashion-MNIST CNN and a memory-bound
+  network (12 blocks of LayerNorm + GELU + SiLU gating + residual on 784 pixels, batch 1024), one CPU
+  process with 2 threads, 45 steps. Peers in the same run: eager Lightning (no callback) and plain
   ``model.compile()`` before ``fit`` (what a user would do). Ours: ``OperatorFusion()`` (compile="auto", the
   fused optimizer). Reported: median step time over the last 15 steps as a ratio to eager (> 1 is faster),
-  and start-up (time to the end of the 3rd step) of regional vs full compile.
+  and start-up (time to the end of the 3rd step, each variant with empty compile caches) of regional vs
+  full compile.
 * optimizer: AdamW step over the GPT's parameters: fused kernel vs torch's CPU default (for-loop).
 * loss: vocabulary 32,000, 8,192 tokens, hidden 256: peak memory (process RSS growth, fresh process each) and
   time of forward+backward, chunked linear+cross-entropy vs ``F.cross_entropy(hidden @ W.T)``.
@@ -32,6 +34,45 @@ def _rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def _pointwise_net() -> Any:
+    """A memory-bound network: chains of LayerNorm, GELU, SiLU gating and residual adds on Fashion-MNIST
+    pixels (784 features), 12 blocks, a linear classifier: almost no matmul, so eager pays one pass over memory
+    per operation and fusion saves most of them."""
+    import lightning as L
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    class Chain(nn.Module):
+        def __init__(self, d: int) -> None:
+            super().__init__()
+            self.norm = nn.LayerNorm(d)
+            self.scale = nn.Parameter(torch.full((d,), 0.1))
+
+        def forward(self, x):
+            y = F.gelu(self.norm(x))
+            y = y * torch.sigmoid(y * 1.702)
+            return x + self.scale * y
+
+    class PointwiseNet(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.Sequential(*(Chain(784) for _ in range(12)))
+            self.head = nn.Linear(784, 10)
+
+        def forward(self, x):
+            return self.head(self.blocks(x.flatten(1)))
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return F.cross_entropy(self(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    return PointwiseNet()
+
+
 def step_worker(model_name: str, variant: str, steps: int, out: str) -> None:
     import lightning as L
     import torch
@@ -45,6 +86,9 @@ def step_worker(model_name: str, variant: str, steps: int, out: str) -> None:
     if model_name == "gpt":
         model: Any = CharGPT(block_size=128, n_layer=4, n_head=4, n_embd=256)
         data: Any = ShakespeareDataModule(block_size=128, batch_size=16)
+    elif model_name == "pointwise":
+        model = _pointwise_net()
+        data = FashionMNISTDataModule(batch_size=1024)
     else:
         model = FashionCNN()
         data = FashionMNISTDataModule(batch_size=128)
@@ -137,11 +181,32 @@ def loss_worker(variant: str, tokens: int, vocab: int, out: str) -> None:
     Path(out).write_text(json.dumps({"peak_bytes": peak, "seconds": summarize(samples)["median"]}))
 
 
+def _cold_cache_worker(args: list[str]) -> dict[str, Any]:
+    """A worker with its own, empty Inductor/AOTAutograd caches: otherwise the first compiling variant fills the
+    on-disk cache and every later one starts up from it, which would make start-up times meaningless."""
+    import os
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as cache:
+        saved = {k: os.environ.get(k) for k in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
+        os.environ["TRITON_CACHE_DIR"] = cache
+        try:
+            return run_worker("benchmarks.fusion", args)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
     parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--models", nargs="+", choices=("gpt", "cnn", "pointwise"), default=["gpt", "cnn", "pointwise"])
     parser.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -161,8 +226,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if "step" in args.parts:
         steps = 12 if args.quick else 45
         rows = []
-        for model_name in ("gpt", "cnn"):
-            runs = {v: run_worker("benchmarks.fusion", ["--worker", "step", model_name, v, str(steps)])
+        for model_name in args.models:
+            runs = {v: _cold_cache_worker(["--worker", "step", model_name, v, str(steps)])
                     for v in ("eager", "compile", "fusion", "fusion_regional", "fusion_full")}  # fmt: skip
             eager = runs["eager"]["median_step_s"]
             figures[model_name] = runs

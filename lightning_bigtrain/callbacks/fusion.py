@@ -63,7 +63,7 @@ class OperatorFusion(L.Callback):
         fused_optimizer: bool = True,
         fused_loss: bool | Literal["auto"] = "auto",
         warmup_steps: int = 2,
-        trial_steps: int = 3,
+        trial_steps: int = 5,
         min_gain: float = 0.03,
     ) -> None:
         if compile not in get_args(CompileMode):

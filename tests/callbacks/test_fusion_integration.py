@@ -122,7 +122,7 @@ def test_chunked_lm_head_loss_trains_like_the_plain_loss_and_is_switched_back():
 def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match=r"OperatorFusion\(compile='max'\)`: choose one of auto, regional, full, off"):
         OperatorFusion("max")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"warmup_steps=0, trial_steps=3\)`: both must be >= 1"):
+    with pytest.raises(ValueError, match=r"warmup_steps=0, trial_steps=5\)`: both must be >= 1"):
         OperatorFusion(warmup_steps=0)
     with pytest.raises(ValueError, match=r"fused_loss='yes'"):
         OperatorFusion(fused_loss="yes")  # type: ignore[arg-type]
