@@ -22,7 +22,7 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 
 from lightning_bigtrain.functional.compression import Cast, Compressor
-from lightning_bigtrain.functional.rng import fold_seed, seed_all_
+from lightning_bigtrain.strategies._common import RNG_KEY, ZeroCommon
 from lightning_bigtrain.strategies._compression import resolve_compression
 from lightning_bigtrain.warnings import NoEffectWarning, warn_once
 
@@ -34,7 +34,6 @@ if TYPE_CHECKING:
 
 __all__ = ["DeepSpeedOptions", "DeepSpeedZeroStrategy", "deepspeed_available", "deepspeed_state_bytes"]
 
-_RNG_KEY = "bigtrain_rng"
 _STAGES = (1, 2, 3)
 
 
@@ -222,7 +221,7 @@ def deepspeed_state_bytes(engine: Any) -> dict[str, int]:
     return out
 
 
-class DeepSpeedZeroStrategy(DeepSpeedStrategy):
+class DeepSpeedZeroStrategy(ZeroCommon, DeepSpeedStrategy):
     """ZeRO stages 1-3 on DeepSpeed's engine, with :class:`ZeroStrategy`'s arguments; CPU (gloo) and CUDA.
 
     Usually made as ``ZeroStrategy(stage, engine="deepspeed", ...)``; registered as
@@ -473,25 +472,13 @@ class DeepSpeedZeroStrategy(DeepSpeedStrategy):
         kwargs.setdefault("scale_wrt_gas", False)
         return super().backward(closure_loss, optimizer, *args, **kwargs)
 
-    # ---- step-seeded RNG (exact resume with dropout) ----------------------------------------------
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        if not self.options.step_seeded_rng or self._rng_seed is None:
-            return
-        assert self.lightning_module is not None
-        trainer = self.lightning_module.trainer
-        seed_all_(fold_seed(self._rng_seed, trainer.fit_loop.epoch_loop.total_batch_idx))
-
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        seeds: list[Any] = [None] * self.world_size
-        torch.distributed.all_gather_object(seeds, self._rng_seed)
-        checkpoint[_RNG_KEY] = {"seeds": seeds}
+        checkpoint[RNG_KEY] = self._rng_state()
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
-        state = checkpoint.get(_RNG_KEY)
-        if state and state["seeds"][0] is not None:
-            self._rng_seed = int(state["seeds"][self.global_rank % len(state["seeds"])])
+        self._restore_rng_state(checkpoint)
         return checkpoint
 
     # ---- model-state bytes ------------------------------------------------------------------------
@@ -515,16 +502,4 @@ class DeepSpeedZeroStrategy(DeepSpeedStrategy):
     def _count_memory(self) -> None:
         """Per-rank bytes of parameters (stage 3: this rank's partitions), the fp32 partitions and gradients the
         engine keeps, and optimizer states, counted once in the second step after backward."""
-        self.memory = self.model_state_bytes()
-        values = torch.tensor([self.memory["params"], self.memory["grads"], self.memory["optimizer"]],
-                              dtype=torch.float64, device=self.root_device)  # fmt: skip
-        gathered = self.all_gather(values).reshape(-1, 3).cpu()
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if trainer is None or not self.is_global_zero:
-            return
-        metrics = {}
-        for rank, row in enumerate(gathered.tolist()):
-            for name, value in zip(("params", "grads", "optimizer"), row, strict=True):
-                metrics[f"zero/rank{rank}_{name}_bytes"] = value
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
+        self._log_state_bytes(self.model_state_bytes())

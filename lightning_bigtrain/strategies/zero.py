@@ -22,7 +22,6 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning_bigtrain.functional.compression import Cast, Compressor, GradientCompression
 from lightning_bigtrain.functional.flat_shard import FlatShardedOptimizer
 from lightning_bigtrain.functional.memory import model_state_bytes
-from lightning_bigtrain.functional.rng import fold_seed, seed_all_
 from lightning_bigtrain.functional.sharding import (
     CommCounter,
     auto_wrap_targets,
@@ -30,6 +29,7 @@ from lightning_bigtrain.functional.sharding import (
     is_fully_sharded,
     shard_module_,
 )
+from lightning_bigtrain.strategies._common import RNG_KEY, ZeroCommon
 from lightning_bigtrain.strategies._compression import (
     CHECKPOINT_KEY,
     CompressionSupport,
@@ -49,7 +49,6 @@ StartMethod = Literal["auto", "popen", "spawn", "fork", "forkserver"]
 Engine = Literal["torch", "deepspeed", "auto"]
 _STAGES = (1, 2, 3)
 _CAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-_RNG_KEY = "bigtrain_rng"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,7 +86,7 @@ class ZeroOptions:
             )
 
 
-class ZeroStrategy(ModelParallelStrategy):
+class ZeroStrategy(ZeroCommon, ModelParallelStrategy):
     """ZeRO data parallelism (Rajbhandari et al., 2020) for any LightningModule.
 
     * ``stage=1``: optimizer states sharded; parameters and gradients replicated. Gradient buckets are
@@ -393,27 +392,8 @@ class ZeroStrategy(ModelParallelStrategy):
             return inner.state_dict()  # DTensor partitions: DCP writes each rank's slice
         return super().optimizer_state(optimizer)
 
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        if not self.options.step_seeded_rng or self._rng_seed is None:
-            return
-        assert self.lightning_module is not None
-        trainer = self.lightning_module.trainer
-        seed_all_(fold_seed(self._rng_seed, trainer.fit_loop.epoch_loop.total_batch_idx))
-
-    def _rng_state(self) -> dict[str, Any]:
-        """Every rank's run seed (ranks may have been seeded differently)."""
-        seeds: list[Any] = [None] * self.world_size
-        torch.distributed.all_gather_object(seeds, self._rng_seed)
-        return {"seeds": seeds}
-
-    def _restore_rng_state(self, checkpoint: dict[str, Any]) -> None:
-        state = checkpoint.get(_RNG_KEY)
-        if state and state["seeds"][0] is not None:
-            # At another world size, ranks beyond the saved ones continue the saved ranks' streams in turn.
-            self._rng_seed = int(state["seeds"][self.global_rank % len(state["seeds"])])
-
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        checkpoint[_RNG_KEY] = self._rng_state()
+        checkpoint[RNG_KEY] = self._rng_state()
         if self._compression is not None:
             state = self._compression.state_for_checkpoint(self)
             if state is not None:
@@ -607,24 +587,11 @@ class ZeroStrategy(ModelParallelStrategy):
         return super().optimizer_step(optimizer, closure_then_count, model, **kwargs)
 
     def _log_memory(self, optimizer: Any) -> None:
-        """Per-rank bytes of parameters, gradients and optimizer states, gathered and logged on rank 0."""
         from lightning.pytorch.core.optimizer import LightningOptimizer
 
         inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
         assert self.model is not None
-        local = model_state_bytes(self.model, inner)
-        self.memory = local
-        values = torch.tensor([local["params"], local["grads"], local["optimizer"]], dtype=torch.float64)
-        gathered = self.all_gather(values.to(self.root_device)).reshape(-1, 3).cpu()
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if trainer is None or not self.is_global_zero:
-            return
-        metrics = {}
-        for rank, row in enumerate(gathered.tolist()):
-            for name, value in zip(("params", "grads", "optimizer"), row, strict=True):
-                metrics[f"zero/rank{rank}_{name}_bytes"] = value
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
+        self._log_state_bytes(model_state_bytes(self.model, inner))
 
 
 def resolve_engine(engine: str, *, stage: int = 3, **kwargs: Any) -> str:

@@ -1,0 +1,54 @@
+"""What both ZeRO engines share: step-seeded RNG with the run's seeds in checkpoints, per-rank state logging."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lightning_bigtrain.functional.rng import fold_seed, seed_all_
+
+RNG_KEY = "bigtrain_rng"
+
+
+class ZeroCommon:
+    """Mixed into a Lightning ``ParallelStrategy`` with ``options: ZeroOptions`` and ``memory: dict``."""
+
+    _rng_seed: int | None = None
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """Re-seed every generator from the run's seed and the batch index (exact resume with dropout)."""
+        if not self.options.step_seeded_rng or self._rng_seed is None:  # type: ignore[attr-defined]
+            return
+        trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
+        seed_all_(fold_seed(self._rng_seed, trainer.fit_loop.epoch_loop.total_batch_idx))
+
+    def _rng_state(self) -> dict[str, Any]:
+        """Every rank's run seed (ranks may have been seeded differently)."""
+        seeds: list[Any] = [None] * self.world_size  # type: ignore[attr-defined]
+        torch.distributed.all_gather_object(seeds, self._rng_seed)
+        return {"seeds": seeds}
+
+    def _restore_rng_state(self, checkpoint: dict[str, Any]) -> None:
+        state = checkpoint.get(RNG_KEY)
+        if state and state["seeds"][0] is not None:
+            # At another world size, ranks beyond the saved ones continue the saved ranks' streams in turn.
+            self._rng_seed = int(state["seeds"][self.global_rank % len(state["seeds"])])  # type: ignore[attr-defined]
+
+    def _log_state_bytes(self, local: dict[str, int]) -> None:
+        """Keep this rank's model-state bytes in ``memory``; gather every rank's and log them on rank 0
+        (``zero/rank{r}_{params,grads,optimizer}_bytes``)."""
+        self.memory = local
+        values = torch.tensor([local["params"], local["grads"], local["optimizer"]], dtype=torch.float64)
+        gathered = self.all_gather(values.to(self.root_device)).reshape(-1, 3).cpu()  # type: ignore[attr-defined]
+        module = self.lightning_module  # type: ignore[attr-defined]
+        if module is None or not self.is_global_zero:  # type: ignore[attr-defined]
+            return
+        trainer = module.trainer
+        metrics = {
+            f"zero/rank{rank}_{name}_bytes": value
+            for rank, row in enumerate(gathered.tolist())
+            for name, value in zip(("params", "grads", "optimizer"), row, strict=True)
+        }
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
