@@ -16,6 +16,23 @@ class ZeroCommon:
 
     _rng_seed: int | None = None
 
+    @classmethod
+    def _register_stages(cls, registry: Any, prefix: str, engine: str) -> None:
+        """``{prefix}1/2/3`` and ``{prefix}2_offload/3_offload`` (stage 3 offloads parameters too)."""
+        for stage in (1, 2, 3):
+            description = f"lightning_bigtrain ZeRO stage {stage}{engine}"
+            registry.register(f"{prefix}{stage}", cls, description=description, override=True, stage=stage)
+            if stage > 1:
+                registry.register(
+                    f"{prefix}{stage}_offload",
+                    cls,
+                    description=f"{description} with CPU offload",
+                    override=True,
+                    stage=stage,
+                    offload_optimizer=True,
+                    offload_params=stage == 3,
+                )
+
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """Re-seed every generator from the run's seed and the batch index (exact resume with dropout)."""
         if not self.options.step_seeded_rng or self._rng_seed is None:  # type: ignore[attr-defined]

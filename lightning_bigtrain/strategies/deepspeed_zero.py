@@ -356,25 +356,7 @@ class DeepSpeedZeroStrategy(ZeroCommon, DeepSpeedStrategy):
 
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        for stage in _STAGES:
-            strategy_registry.register(
-                f"bigtrain_deepspeed_zero{stage}",
-                cls,
-                description=f"lightning_bigtrain ZeRO stage {stage} on DeepSpeed's engine",
-                override=True,
-                stage=stage,
-            )
-            if stage == 1:
-                continue
-            strategy_registry.register(
-                f"bigtrain_deepspeed_zero{stage}_offload",
-                cls,
-                description=f"lightning_bigtrain ZeRO stage {stage} on DeepSpeed's engine with CPU offload",
-                override=True,
-                stage=stage,
-                offload_optimizer=True,
-                offload_params=stage == 3,
-            )
+        cls._register_stages(strategy_registry, "bigtrain_deepspeed_zero", " on DeepSpeed's engine")
 
     # ---- launch and environment -------------------------------------------------------------------
     def _configure_launcher(self) -> None:

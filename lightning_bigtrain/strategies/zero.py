@@ -248,25 +248,7 @@ class ZeroStrategy(ZeroCommon, ModelParallelStrategy):
 
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        for stage in _STAGES:
-            strategy_registry.register(
-                f"bigtrain_zero{stage}",
-                cls,
-                description=f"lightning_bigtrain ZeRO stage {stage}",
-                override=True,
-                stage=stage,
-            )
-            if stage == 1:
-                continue
-            strategy_registry.register(
-                f"bigtrain_zero{stage}_offload",
-                cls,
-                description=f"lightning_bigtrain ZeRO stage {stage} with CPU offload",
-                override=True,
-                stage=stage,
-                offload_optimizer=True,
-                offload_params=stage == 3,
-            )
+        cls._register_stages(strategy_registry, "bigtrain_zero", "")
 
     def _configure_launcher(self) -> None:
         from lightning.fabric.utilities.imports import _IS_INTERACTIVE
