@@ -52,6 +52,20 @@ class ZeroCommon:
             # At another world size, ranks beyond the saved ones continue the saved ranks' streams in turn.
             self._rng_seed = int(state["seeds"][self.global_rank % len(state["seeds"])])  # type: ignore[attr-defined]
 
+    def _closure_counting_state(self, closure: Any, count: Any) -> Any:
+        """``closure``, followed by ``count()`` in the second step only (after backward and before the update:
+        gradients are present and the optimizer states exist, optimizers creating them in their first step)."""
+        module = self.lightning_module  # type: ignore[attr-defined]
+        if self.memory or module is None or module.trainer.global_step < 1:  # type: ignore[attr-defined]
+            return closure
+
+        def closure_then_count() -> Any:
+            result = closure()
+            count()
+            return result
+
+        return closure_then_count
+
     def _log_state_bytes(self, local: dict[str, int]) -> None:
         """Keep this rank's model-state bytes in ``memory``; gather every rank's and log them on rank 0
         (``zero/rank{r}_{params,grads,optimizer}_bytes``)."""

@@ -465,17 +465,8 @@ class DeepSpeedZeroStrategy(ZeroCommon, DeepSpeedStrategy):
 
     # ---- model-state bytes ------------------------------------------------------------------------
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        module = self.lightning_module
-        if self.memory or module is None or module.trainer.global_step < 1:
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
-
-        # Counted in the second step, after backward and before the update, as the torch engine does.
-        def closure_then_count() -> Any:
-            result = closure()
-            self._count_memory()
-            return result
-
-        return super().optimizer_step(optimizer, closure_then_count, model, **kwargs)
+        closure = self._closure_counting_state(closure, self._count_memory)
+        return super().optimizer_step(optimizer, closure, model, **kwargs)
 
     def model_state_bytes(self) -> dict[str, int]:
         """This rank's model-state bytes now (:func:`deepspeed_state_bytes`)."""

@@ -555,18 +555,8 @@ class ZeroStrategy(ZeroCommon, ModelParallelStrategy):
         self._logged_comm_bytes = sent
 
     def _optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        module = self.lightning_module
-        if self.memory or module is None or module.trainer.global_step < 1:
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
-
-        # Counted in the second step, after backward and before the update: gradients are present and
-        # the optimizer states exist (optimizers create them in their first step).
-        def closure_then_count() -> Any:
-            result = closure()
-            self._log_memory(optimizer)
-            return result
-
-        return super().optimizer_step(optimizer, closure_then_count, model, **kwargs)
+        closure = self._closure_counting_state(closure, lambda: self._log_memory(optimizer))
+        return super().optimizer_step(optimizer, closure, model, **kwargs)
 
     def _log_memory(self, optimizer: Any) -> None:
         from lightning.pytorch.core.optimizer import LightningOptimizer
