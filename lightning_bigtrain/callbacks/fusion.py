@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import time
 import warnings
+from collections.abc import Sequence
 from typing import Any, Literal, get_args
 
 import lightning as L
+import torch
 from torch import nn
 
 from lightning_bigtrain.functional.fusion import fuse_optimizer, repeated_blocks, supports_fused
+from lightning_bigtrain.functional.surgery import SWAP_KINDS, Swap, refresh_swaps, restore_modules, swap_modules
 from lightning_bigtrain.warnings import BigtrainWarning, NoEffectWarning, warn_once
 
 __all__ = ["OperatorFusion"]
@@ -43,6 +46,15 @@ class OperatorFusion(L.Callback):
       ``True`` sets it, ``"auto"`` sets it from a vocabulary of 8,192 up (measured: 0.08x the peak memory at
       0.97x the time at 32k), ``False`` leaves it. Not with KnowledgeDistillation (it needs the logits). The
       module's flag is put back at teardown.
+    * ``swap_modules``: module surgery (:mod:`lightning_bigtrain.functional.surgery`) before compiling.
+      ``True`` swaps attention written by hand (``softmax(q @ k^T) @ v``) for ``scaled_dot_product_attention``
+      (measured 2.1x faster and without the score matrix in memory); ``"norm_activation"`` (opt-in: less
+      activation memory for some recompute time) runs each norm + activation pair as one recomputed unit; a
+      list picks kinds, ``False`` none. Swaps keep parameters and ``state_dict`` keys, follow structural pruning
+      (re-traced when a module's structure changes) and are undone at teardown. Conv+BN folding is for
+      evaluation: :func:`~lightning_bigtrain.functional.surgery.fold_conv_bn`.
+    * A model the compiler cannot handle (the backend fails: no working C++ compiler, an Inductor error) falls
+      back to eager for the rest of the run with a warning; errors from the model's own code propagate.
     * Graph breaks (with TorchDynamo's reasons) and the number of graphs compiled during the run are reported
       at the end and logged (``fusion/graph_breaks``, ``fusion/graphs``); a recompilation storm (more than 8
       graphs per compiled module) is warned about.
@@ -51,6 +63,8 @@ class OperatorFusion(L.Callback):
         compile: ``"auto"``, ``"regional"``, ``"full"`` or ``"off"``.
         fused_optimizer: Rebuild the optimizer on its fused kernel.
         fused_loss: Switch on a declared chunked LM-head loss (``True``, ``False`` or ``"auto"``).
+        swap_modules: ``True`` (attention), ``False``, or the swap kinds to apply (``"attention"``,
+            ``"norm_activation"``).
         warmup_steps: Steps per ``auto`` candidate before timing (its compile happens here).
         trial_steps: Timed steps per ``auto`` candidate.
         min_gain: A compiled candidate must be this much faster than eager (relative) to be kept.
@@ -62,6 +76,7 @@ class OperatorFusion(L.Callback):
         *,
         fused_optimizer: bool = True,
         fused_loss: bool | Literal["auto"] = "auto",
+        swap_modules: bool | Sequence[str] = True,
         warmup_steps: int = 2,
         trial_steps: int = 5,
         min_gain: float = 0.03,
@@ -79,6 +94,21 @@ class OperatorFusion(L.Callback):
             raise ValueError(f"`OperatorFusion(fused_loss={fused_loss!r})`: pass True, False or 'auto'.")
         if not 0 <= min_gain < 1:
             raise ValueError(f"`OperatorFusion(min_gain={min_gain})`: must be in [0, 1).")
+        if swap_modules is True:
+            self.swap_kinds: tuple[str, ...] = ("attention",)
+        elif swap_modules is False:
+            self.swap_kinds = ()
+        else:
+            kinds = (swap_modules,) if isinstance(swap_modules, str) else tuple(swap_modules)
+            unknown = [k for k in kinds if k not in SWAP_KINDS]
+            if unknown:
+                raise ValueError(
+                    f"`OperatorFusion(swap_modules={swap_modules!r})`: unknown swap kind(s) {unknown}; pass True, "
+                    f"False or a list of {', '.join(SWAP_KINDS)}."
+                )
+            self.swap_kinds = kinds
+        self._swaps_named = swap_modules is not True
+        self.swaps: list[Swap] = []
         self.compile = compile
         self.fused_optimizer = fused_optimizer
         self.fused_loss = fused_loss
@@ -98,6 +128,7 @@ class OperatorFusion(L.Callback):
     # ------------------------------------------------------------------------------------------------ set-up
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._switch_loss(trainer, pl_module)
+        self._swap(trainer, pl_module)
         if self.fused_optimizer:
             self._fuse_optimizers(trainer)
         self._counters_at_start = _dynamo_counts()
@@ -109,6 +140,24 @@ class OperatorFusion(L.Callback):
         else:
             self.choice = self.compile
             self._apply(pl_module, self.compile)
+
+    def _swap(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not self.swap_kinds:
+            return
+        self.swaps = swap_modules(pl_module, self.swap_kinds)
+        for kind in self.swap_kinds:
+            if self._swaps_named and not any(s.kind == kind for s in self.swaps):
+                warn_once(
+                    f"OperatorFusion(swap_modules=[{kind!r}]) has no effect: no module of {type(pl_module).__name__} "
+                    f"matches the {kind!r} pattern (see lightning_bigtrain.functional.surgery).",
+                    NoEffectWarning,
+                )
+        if self.swaps:
+            kinds = sorted({s.kind for s in self.swaps})
+            rank_zero_print(trainer, f"OperatorFusion swapped {len(self.swaps)} pattern(s) ({', '.join(kinds)}) in "
+                                     f"{len({s.path for s in self.swaps})} module(s).")  # fmt: skip
+        for logger in trainer.loggers:
+            logger.log_metrics({"fusion/swaps": len(self.swaps)}, step=trainer.global_step)
 
     def _switch_loss(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Turn on a declared chunked LM-head loss: ``fused_loss=True``, or ``"auto"`` from a vocabulary of
@@ -174,13 +223,15 @@ class OperatorFusion(L.Callback):
         elif mode == "full":
             self._compiled = [pl_module]
         for m in self._compiled:
-            m.compile()
+            m._compiled_call_impl = _FallbackToEager(m, torch.compile(m._call_impl))
         self._modules_compiled += len(self._compiled)
 
     # ----------------------------------------------------------------------------------------- auto trials
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        if self.swaps and self._compiled:  # compiled code skips the structure check in the swapped forward
+            self.swaps = refresh_swaps(pl_module)
         if self._trials:
             self._t0 = time.perf_counter()
 
@@ -244,6 +295,34 @@ class OperatorFusion(L.Callback):
         if self._trials:  # stopped during the auto trials: leave the module eager
             self._apply(pl_module, "off")
         self._trials = []
+        if self.swaps:
+            restore_modules(pl_module)
+            self.swaps = []
+
+
+class _FallbackToEager:
+    """A module's compiled call that, when the compiler itself fails (no working C++ compiler, a backend error),
+    switches the module back to eager for the rest of the run with a warning instead of ending the fit.
+    Errors raised by the model's own code propagate unchanged."""
+
+    def __init__(self, module: nn.Module, compiled: Any) -> None:
+        self.module = module
+        self.compiled = compiled
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from torch._dynamo.exc import TorchDynamoException
+
+        try:
+            return self.compiled(*args, **kwargs)
+        except TorchDynamoException as error:
+            self.module._compiled_call_impl = None
+            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            warn_once(
+                f"OperatorFusion: compiling {type(self.module).__name__} failed ({type(error).__name__}: {reason}); "
+                "it runs eagerly for the rest of the run. Fix the compiler set-up or pass compile='off'.",
+                BigtrainWarning,
+            )
+            return self.module._call_impl(*args, **kwargs)
 
 
 def _dynamo_counts() -> dict[str, Any]:

@@ -11,8 +11,9 @@ import torch
 from lightning_bigtrain.callbacks import OperatorFusion
 from lightning_bigtrain.data import ShakespeareDataModule
 from lightning_bigtrain.models import CharGPT
-from lightning_bigtrain.warnings import BigtrainWarning
+from lightning_bigtrain.warnings import BigtrainWarning, NoEffectWarning
 from tests.helpers.distributed import run_on_ranks
+from tests.helpers.models import written_attention_gpt
 
 pytestmark = pytest.mark.integration
 
@@ -128,3 +129,148 @@ def test_bad_arguments_are_refused():
         OperatorFusion(fused_loss="yes")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"min_gain=1.5"):
         OperatorFusion(min_gain=1.5)
+
+
+class _SwapProbe(L.Callback):
+    """Records, at every step, whether the blocks' attention runs a swapped forward and its head count."""
+
+    def __init__(self) -> None:
+        self.swapped: list[bool] = []
+        self.heads: list[int] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        attn = pl_module.blocks[0].attn
+        self.swapped.append("_bigtrain_surgery" in attn.__dict__)
+        self.heads.append(attn.n_head)
+
+
+def _written_fit(callbacks: list, steps: int = 6) -> tuple[list[float], CharGPT, _SwapProbe]:
+    L.seed_everything(0, verbose=False)
+    model = written_attention_gpt(block_size=16, n_layer=2, n_head=4, n_embd=32, warmup_steps=2)
+    losses, probe = _Losses(), _SwapProbe()
+    trainer = L.Trainer(devices=1, max_steps=steps, callbacks=[*callbacks, losses, probe], **_COMMON)
+    trainer.fit(model, datamodule=_data())
+    return losses.losses, model, probe
+
+
+def test_hand_written_attention_is_swapped_for_sdpa_in_a_fit_and_restored_after():
+    """Same losses as the written attention (SDPA sums in another order: 1e-5 relative over 6 steps)."""
+    plain, _, _ = _written_fit([])
+    fusion = OperatorFusion("off", fused_optimizer=False)
+    swapped, model, probe = _written_fit([fusion])
+    assert all(probe.swapped) and len(probe.swapped) == 6
+    torch.testing.assert_close(torch.tensor(swapped), torch.tensor(plain), rtol=1e-5, atol=0)
+    assert fusion.swaps == [] and "forward" not in model.blocks[0].attn.__dict__  # restored at teardown
+
+
+@pytest.mark.parametrize("fusion_first", [False, True], ids=["prune_then_fuse", "fuse_listed_first"])
+def test_structured_pruning_then_fusion_in_either_order(fusion_first):
+    """Prune -> fuse -> compile: heads are removed mid-run from swapped, compiled attention; the swapped forward
+    is re-traced for the new head count and the run matches pruning alone (rounding: 1e-4 relative). Listing
+    OperatorFusion first (there without compile) gives the same result: its swaps re-check the structure."""
+    from lightning_bigtrain.callbacks import PruningSchedule, StructuredPruning
+
+    def pruning() -> StructuredPruning:
+        return StructuredPruning(0.5, schedule=PruningSchedule(start=1, end=2, frequency=1))
+
+    alone, _, probe_alone = _written_fit([pruning()])
+    fusion = OperatorFusion("off" if fusion_first else "regional", fused_optimizer=True)
+    callbacks = [fusion, pruning()] if fusion_first else [pruning(), fusion]
+    fused, model, probe = _written_fit(callbacks)
+    assert probe.heads == probe_alone.heads and probe.heads[0] == 4 and probe.heads[-1] == 2
+    assert all(probe.swapped)
+    torch.testing.assert_close(torch.tensor(fused), torch.tensor(alone), rtol=1e-4, atol=0)
+    assert model.blocks[0].attn.qkv.out_features == 3 * 2 * 8
+
+
+class _Varying(L.LightningDataModule):
+    """Batches whose sequence length changes every step (5 lengths)."""
+
+    def train_dataloader(self):
+        generator = torch.Generator().manual_seed(0)
+        batches = [torch.randint(0, 96, (4, 6 + 2 * (i % 5) + 1), generator=generator) for i in range(10)]
+        return torch.utils.data.DataLoader([(b[:, :-1], b[:, 1:]) for b in batches], batch_size=None)
+
+
+def test_changing_batch_shapes_do_not_cause_a_recompilation_storm():
+    """Five sequence lengths: TorchDynamo marks the length dynamic after the first change, so a handful of
+    graphs serve every length and no storm warning is raised."""
+    fusion = OperatorFusion("full", fused_optimizer=False)
+    L.seed_everything(0, verbose=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = L.Trainer(devices=1, max_steps=10, callbacks=[fusion], **_COMMON)
+        trainer.fit(_model(), datamodule=_Varying())
+    storm = [w for w in caught if "recompile" in str(w.message)]
+    assert storm == []
+    assert fusion._modules_compiled == 1
+
+
+def test_a_model_the_compiler_cannot_build_falls_back_to_eager_with_a_warning(tmp_path, monkeypatch):
+    """No working C++ compiler (a real Inductor failure, with empty caches so that nothing is reused): the fit
+    finishes eagerly with the same losses and one warning naming the failure."""
+    import torch._inductor.config as inductor
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(inductor.cpp, "cxx", (str(tmp_path / "no-such-c++"),))
+    monkeypatch.setattr(inductor, "fx_graph_cache", False)
+    torch._dynamo.reset()
+    L.seed_everything(0, verbose=False)
+    eager = _Losses()
+    L.Trainer(devices=1, max_steps=4, callbacks=[eager], **_COMMON).fit(_model(), datamodule=_data())
+    L.seed_everything(0, verbose=False)
+    losses, fusion = _Losses(), OperatorFusion("full", fused_optimizer=False)
+    with pytest.warns(BigtrainWarning, match="compiling CharGPT failed.*runs eagerly"):
+        L.Trainer(devices=1, max_steps=4, callbacks=[fusion, losses], **_COMMON).fit(_model(), datamodule=_data())
+    torch._dynamo.reset()
+    assert losses.losses == eager.losses
+
+
+def test_swap_arguments_are_checked_and_unmatched_kinds_warn():
+    with pytest.raises(ValueError, match=r"swap_modules=.*unknown swap kind"):
+        OperatorFusion(swap_modules=["sdpa"])
+    fusion = OperatorFusion("off", swap_modules=["attention"], fused_optimizer=False)
+    with pytest.warns(NoEffectWarning, match="no module of CharGPT matches the 'attention'"):
+        L.Trainer(devices=1, max_steps=1, callbacks=[fusion], **_COMMON).fit(_model(), datamodule=_data())
+
+
+def _strategy_runs(rank: int) -> dict:
+    from lightning_bigtrain import warnings as bt_warnings
+    from lightning_bigtrain.strategies import CompressedDDPStrategy, ZeroStrategy
+
+    bt_warnings._seen.clear()  # these ranks may have warned the same before (they serve many tests)
+    out: dict = {}
+    for name, make in (("compressed", lambda: CompressedDDPStrategy("fp16", start_method="popen")),
+                       ("zero2", lambda: ZeroStrategy(2, min_wrap_params=1000))):  # fmt: skip
+        for fused in (False, True):
+            L.seed_everything(0, verbose=False)
+            losses, probe = _Losses(), _SwapProbe()
+            fusion = [OperatorFusion("regional")] if fused else []
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                trainer = L.Trainer(devices=2, strategy=make(), max_steps=6, callbacks=[*fusion, losses, probe],
+                                    **_COMMON)  # fmt: skip
+                trainer.fit(written_attention_gpt(block_size=16, n_layer=2, n_head=2, n_embd=32, warmup_steps=2),
+                            datamodule=_data())  # fmt: skip
+            key = f"{name}_{'fused' if fused else 'plain'}"
+            out[key] = losses.losses
+            if fused:
+                out[f"{key}_swapped"] = probe.swapped
+                out[f"{key}_optimizer_fused"] = bool(trainer.optimizers[0].param_groups[0].get("fused"))
+                out[f"{key}_warnings"] = [str(w.message) for w in caught if issubclass(w.category, NoEffectWarning)]
+    return out
+
+
+def test_fusion_with_compressed_ddp_and_zero_trains_like_without():
+    """Swaps, regional compile and the fused optimizer inside CompressedDDPStrategy and ZeroStrategy(2): the
+    same losses as without OperatorFusion (rounding: 1e-4 relative over 6 steps). ZeRO-2 wraps the optimizer
+    over its shards, so the fused rebuild is skipped with a warning saying why."""
+    results = run_on_ranks(_strategy_runs, init_process_group=False)
+    for r in results:
+        for name in ("compressed", "zero2"):
+            torch.testing.assert_close(torch.tensor(r[f"{name}_fused"]), torch.tensor(r[f"{name}_plain"]),
+                                       rtol=1e-4, atol=0)  # fmt: skip
+        assert r["compressed_fused_optimizer_fused"] and not r["zero2_fused_optimizer_fused"]
+        assert all(r["compressed_fused_swapped"]) and all(r["zero2_fused_swapped"])
+    warned = results[0]["zero2_fused_warnings"]
+    assert any("left FlatShardedOptimizer as it is" in m for m in warned), warned
