@@ -11,6 +11,10 @@ the chunked LM-head loss.
   and start-up (time to the end of the 3rd step, each variant with empty compile caches) of regional vs
   full compile.
 * optimizer: AdamW step over the GPT's parameters: fused kernel vs torch's CPU default (for-loop).
+* swaps: module surgery alone (``OperatorFusion("off", fused_optimizer=False, swap_modules=[...])``): the char-GPT
+  with its attention written by hand (``CharGPT(attention="written")``) eager vs swapped to SDPA, and with the
+  default ``OperatorFusion()``; the memory-bound network with norm+activation pairs recomputed (step time and
+  bytes saved for backward); the CNN's evaluation with Conv+BN folded.
 * loss: vocabulary 32,000, 8,192 tokens, hidden 256: peak memory (process RSS growth, fresh process each) and
   time of forward+backward, chunked linear+cross-entropy vs ``F.cross_entropy(hidden @ W.T)``.
 """
@@ -27,7 +31,7 @@ from typing import Any
 
 from benchmarks.common import RESULTS_DIR, print_table, ratio, run_worker, summarize, write_results
 
-PARTS = ("step", "optimizer", "loss")
+PARTS = ("step", "optimizer", "loss", "swaps")
 
 
 def _rss() -> int:
@@ -83,8 +87,9 @@ def step_worker(model_name: str, variant: str, steps: int, out: str) -> None:
 
     torch.set_num_threads(2)
     L.seed_everything(0, verbose=False)
-    if model_name == "gpt":
-        model: Any = CharGPT(block_size=128, n_layer=4, n_head=4, n_embd=256)
+    if model_name in ("gpt", "gpt_written"):
+        attention = "written" if model_name == "gpt_written" else "sdpa"
+        model: Any = CharGPT(block_size=128, n_layer=4, n_head=4, n_embd=256, attention=attention)
         data: Any = ShakespeareDataModule(block_size=128, batch_size=16)
     elif model_name == "pointwise":
         model = _pointwise_net()
@@ -113,6 +118,9 @@ def step_worker(model_name: str, variant: str, steps: int, out: str) -> None:
         callbacks.insert(0, OperatorFusion(mode))  # type: ignore[arg-type]
     if variant == "compile":
         model.compile()
+    if variant.startswith("swap"):  # the swaps alone: no compile, no fused optimizer
+        kinds = ["norm_activation"] if variant == "swap_norm" else ["attention"]
+        callbacks.insert(0, OperatorFusion("off", fused_optimizer=False, swap_modules=kinds))
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, limit_val_batches=0, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=callbacks)  # fmt: skip
@@ -121,6 +129,7 @@ def step_worker(model_name: str, variant: str, steps: int, out: str) -> None:
     Path(out).write_text(json.dumps({
         "median_step_s": summarize(times[-15:])["median"],
         "startup_s": timer.startup,
+        "peak_rss_bytes": _rss(),
         "choice": getattr(fusion, "choice", None),
         "timings": getattr(fusion, "timings", None),
     }))  # fmt: skip
@@ -147,6 +156,57 @@ def optimizer_worker(out: str) -> None:
             opt.step()
             samples.append(time.perf_counter() - t0)
         result[name] = summarize(samples)["median"]
+    Path(out).write_text(json.dumps(result))
+
+
+def swaps_worker(out: str) -> None:
+    """Saved-for-backward bytes of one pointwise-net forward (batch 1024) with and without the norm+activation
+    swap, and evaluation of the Fashion-MNIST CNN (batch 256) with Conv+BN folded vs as trained."""
+    import torch
+
+    from lightning_bigtrain.data import FashionMNISTDataModule
+    from lightning_bigtrain.functional.surgery import fold_conv_bn, swap_modules
+    from lightning_bigtrain.models import FashionCNN
+
+    torch.set_num_threads(2)
+    torch.manual_seed(0)
+    data = FashionMNISTDataModule(batch_size=256)
+    data.setup("fit")
+    batches = [x for x, _ in list(data.train_dataloader())[:12]]
+
+    def saved_bytes(model: Any, x: Any) -> int:
+        storages: dict[int, int] = {}
+
+        def pack(t: Any) -> Any:
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(x)
+        return sum(storages.values())
+
+    net = _pointwise_net()
+    x = torch.cat(batches[:4])
+    plain_saved = saved_bytes(net, x)
+    swap_modules(net, ["norm_activation"])
+    result: dict[str, Any] = {"norm_saved_plain": plain_saved, "norm_saved_swapped": saved_bytes(net, x)}
+
+    cnn = FashionCNN()
+    with torch.no_grad():
+        for b in batches[:8]:  # BatchNorm running statistics from real batches
+            cnn(b)
+    cnn.eval()
+    folded = fold_conv_bn(cnn)
+    with torch.no_grad():
+        result["fold_max_abs_diff"] = max(float((folded(b) - cnn(b)).abs().max()) for b in batches[8:])
+        for name, model in (("fold_plain_s", cnn), ("fold_folded_s", folded)):
+            samples = []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                for b in batches:
+                    model(b)
+                samples.append((time.perf_counter() - t0) / len(batches))
+            result[name] = summarize(samples)["median"]
     Path(out).write_text(json.dumps(result))
 
 
@@ -216,6 +276,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             step_worker(rest[0], rest[1], int(rest[2]), args.out)
         elif kind == "optimizer":
             optimizer_worker(args.out)
+        elif kind == "swaps":
+            swaps_worker(args.out)
         else:
             loss_worker(rest[0], int(rest[1]), int(rest[2]), args.out)
         return {}
@@ -274,6 +336,36 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         headline.append(
             f"chunked CE peak x{rows[0]['peak chunked / plain']:.2f} at time x{rows[0]['time chunked / plain']:.2f}"
         )
+    if "swaps" in args.parts:
+        steps = 12 if args.quick else 45
+        written = {v: _cold_cache_worker(["--worker", "step", "gpt_written", v, str(steps)])
+                   for v in ("eager", "swap", "fusion")}  # fmt: skip
+        pointwise = {v: run_worker("benchmarks.fusion", ["--worker", "step", "pointwise", v, str(steps)])
+                     for v in ("eager", "swap_norm")}  # fmt: skip
+        other = run_worker("benchmarks.fusion", ["--worker", "swaps"])
+        figures["swaps"] = {"gpt_written": written, "pointwise": pointwise, "other": other}
+        eager = written["eager"]["median_step_s"]
+        rows = [
+            {"swap": "attention (char-GPT, written -> SDPA)", "measure": "training step",
+             "speed-up": ratio(eager, written["swap"]["median_step_s"]),
+             "memory ratio": ratio(written["swap"]["peak_rss_bytes"], written["eager"]["peak_rss_bytes"]),
+             "memory measure": "process peak RSS"},
+            {"swap": "OperatorFusion() on the written char-GPT", "measure": "training step",
+             "speed-up": ratio(eager, written["fusion"]["median_step_s"]),
+             "memory ratio": ratio(written["fusion"]["peak_rss_bytes"], written["eager"]["peak_rss_bytes"]),
+             "memory measure": f"process peak RSS (auto chose {written['fusion']['choice']})"},
+            {"swap": "norm+activation recomputed (pointwise net)", "measure": "training step",
+             "speed-up": ratio(pointwise["eager"]["median_step_s"], pointwise["swap_norm"]["median_step_s"]),
+             "memory ratio": ratio(other["norm_saved_swapped"], other["norm_saved_plain"]),
+             "memory measure": "bytes saved for backward"},
+            {"swap": "Conv+BN folded (CNN, eval)",
+             "measure": f"inference (max abs diff {other['fold_max_abs_diff']:.1e})",
+             "speed-up": ratio(other["fold_plain_s"], other["fold_folded_s"]), "memory ratio": "",
+             "memory measure": ""},
+        ]  # fmt: skip
+        print("\nModule swaps, 1 CPU process x 2 threads; speed-up = before / after, memory = after / before")
+        tables["swaps"] = print_table(rows, list(rows[0]))
+        headline.append(f"attention swap x{rows[0]['speed-up']:.2f}, norm+act saved x{rows[2]['memory ratio']:.2f}")
     payload = {"config": {"quick": args.quick, "parts": args.parts}, "figures": figures, "tables": tables}
     print(f"wrote {write_results('fusion', payload, '; '.join(headline), args.results_dir)}")
     return figures

@@ -59,6 +59,18 @@ class DistillationOptions:
     rebuild_cache: bool = False
 
 
+def _logs_this_step(trainer: L.Trainer) -> bool:
+    """Whether to log this training step's metrics: when Lightning writes them to the loggers
+    (``log_every_n_steps``), and on the first and the last step so that ``callback_metrics`` always hold them."""
+    connector = getattr(trainer, "_logger_connector", None)
+    if bool(getattr(connector, "should_update_logs", True)) or trainer.global_step == 0:
+        return True
+    last_step = trainer.max_steps is not None and 0 < trainer.max_steps <= trainer.global_step + 1
+    epoch_loop = trainer.fit_loop.epoch_loop
+    last_epoch = trainer.max_epochs is not None and trainer.current_epoch + 1 >= trainer.max_epochs
+    return last_step or (last_epoch and bool(epoch_loop.batch_progress.is_last_batch))
+
+
 def _first_tensor(out: Any, who: str) -> torch.Tensor:
     if isinstance(out, torch.Tensor):
         return out
@@ -133,8 +145,10 @@ class KnowledgeDistillation(L.Callback):
     Under ``ZeroStrategy(stage=3)`` the teacher is sharded over the same ranks (FSDP2), so it costs each rank
     1/N of its parameters.
 
-    Logged each step: ``distill/kd_loss``, ``distill/task_loss``, ``distill/agreement`` (top-1 match),
-    ``distill/alpha``, and ``distill/feature_loss``, ``distill/cache_hit_rate`` when used.
+    Logged on the steps Lightning writes to the loggers (``log_every_n_steps``) and on the first and last step:
+    ``distill/kd_loss``, ``distill/task_loss``, ``distill/agreement`` (top-1 match), ``distill/alpha``, and
+    ``distill/feature_loss``, ``distill/cache_hit_rate`` when used (six ``self.log`` calls on every step cost
+    more than the cached teacher itself).
 
     Acts in: ``setup`` (teacher, hooks, projections, cache), ``on_fit_start`` (teacher placement, precision,
     sharding), ``training_step`` (wrapped), ``on_train_epoch_end`` (cache write), ``on_save_checkpoint``,
@@ -415,23 +429,26 @@ class KnowledgeDistillation(L.Callback):
             teacher = self._teacher_logits(trainer)
         finally:
             self._capturing = False
+        # Metrics are written to the loggers every `log_every_n_steps` only: log (and compute agreement) then.
+        log_now = _logs_this_step(trainer)
         if isinstance(teacher, tuple):
             values, indices, log_partition = teacher
             if not self._checked_shapes:
                 self._check_shapes(student, values, topk=True)
             kd = topk_kd_loss(student, values.float(), indices, self.temperature, log_partition)
-            agree = agreement(student, indices[..., 0])
+            agree = agreement(student, indices[..., 0]) if log_now else None
         else:
             if not self._checked_shapes:
                 self._check_shapes(student, teacher, topk=False)
             kd = kd_loss(student, teacher, self.temperature)
-            agree = agreement(student, teacher)
+            agree = agreement(student, teacher) if log_now else None
         alpha = self._alpha(trainer)
         total = alpha * kd + (1.0 - alpha) * task
-        pl_module.log("distill/kd_loss", kd.detach(), on_step=True, on_epoch=False)
-        pl_module.log("distill/task_loss", task.detach(), on_step=True, on_epoch=False)
-        pl_module.log("distill/agreement", agree, on_step=True, on_epoch=False)
-        pl_module.log("distill/alpha", alpha, on_step=True, on_epoch=False)
+        if log_now:
+            pl_module.log("distill/kd_loss", kd.detach(), on_step=True, on_epoch=False)
+            pl_module.log("distill/task_loss", task.detach(), on_step=True, on_epoch=False)
+            pl_module.log("distill/agreement", agree, on_step=True, on_epoch=False)
+            pl_module.log("distill/alpha", alpha, on_step=True, on_epoch=False)
         if self.features:
             projections = getattr(pl_module, _PROJECTIONS)
             hints = [
@@ -440,8 +457,9 @@ class KnowledgeDistillation(L.Callback):
             ]
             hint = torch.stack(hints).sum()
             total = total + self.options.feature_weight * hint
-            pl_module.log("distill/feature_loss", hint.detach(), on_step=True, on_epoch=False)
-        if self.cache is not None:
+            if log_now:
+                pl_module.log("distill/feature_loss", hint.detach(), on_step=True, on_epoch=False)
+        if self.cache is not None and log_now:
             pl_module.log("distill/cache_hit_rate", self._hits / max(1, self._hits + self._misses), on_step=True)
         self._student = {}
         if isinstance(out, torch.Tensor):

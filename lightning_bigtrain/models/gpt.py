@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 import lightning as L
 import torch
@@ -12,7 +13,7 @@ from torch import nn
 
 from lightning_bigtrain.functional.fused_loss import chunked_linear_cross_entropy
 
-__all__ = ["Block", "CausalSelfAttention", "CharGPT"]
+__all__ = ["Block", "CausalSelfAttention", "CharGPT", "WrittenAttention"]
 
 
 class CausalSelfAttention(nn.Module):
@@ -44,13 +45,41 @@ class CausalSelfAttention(nn.Module):
         return [("qkv", "out", i * inner, self.head_dim) for i in range(3)] + [("proj", "in", 0, self.head_dim)]
 
 
+class WrittenAttention(CausalSelfAttention):
+    """The same attention (weights, head declaration) written out as many GPT reimplementations write it:
+    ``softmax(q k^T / sqrt(d))`` with a lower-triangular mask buffer and a dropout module on the weights, then
+    ``@ v``. Stands for "a user's hand-written attention" (``CharGPT(attention="written")``)."""
+
+    def __init__(self, n_embd: int, n_head: int, dropout: float = 0.0, block_size: int = 128) -> None:
+        super().__init__(n_embd, n_head, dropout)
+        self.attn_drop = nn.Dropout(dropout)
+        mask = torch.tril(torch.ones(block_size, block_size)).view(1, 1, block_size, block_size)
+        self.register_buffer("mask", mask, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        inner = self.n_head * self.head_dim
+        q, k, v = self.qkv(x).split(inner, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, self.head_dim).transpose(1, 2) for z in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))
+        att = att.masked_fill(self.mask[:, :, :t, :t] == 0, float("-inf"))
+        att = self.attn_drop(F.softmax(att, dim=-1))
+        return self.proj((att @ v).transpose(1, 2).reshape(b, t, inner))
+
+
 class Block(nn.Module):
     """Pre-norm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
 
-    def __init__(self, n_embd: int, n_head: int, dropout: float = 0.0) -> None:
+    def __init__(
+        self, n_embd: int, n_head: int, dropout: float = 0.0, attention: str = "sdpa", block_size: int = 128
+    ) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(n_embd)
-        self.attn = CausalSelfAttention(n_embd, n_head, dropout)
+        self.attn = (
+            CausalSelfAttention(n_embd, n_head, dropout)
+            if attention == "sdpa"
+            else WrittenAttention(n_embd, n_head, dropout, block_size)
+        )
         self.ln2 = nn.LayerNorm(n_embd)
         self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(), nn.Linear(4 * n_embd, n_embd))
         self.drop = nn.Dropout(dropout)
@@ -75,6 +104,8 @@ class CharGPT(L.LightningModule):
         lr: Peak AdamW learning rate.
         weight_decay: AdamW weight decay on matrices (not on biases, norms or embeddings).
         warmup_steps: Linear learning-rate warm-up, then cosine decay to 10% over the run.
+        attention: ``"sdpa"`` (``scaled_dot_product_attention``) or ``"written"`` (:class:`WrittenAttention`:
+            the same weights and ``state_dict``, attention computed step by step).
     """
 
     def __init__(
@@ -88,6 +119,7 @@ class CharGPT(L.LightningModule):
         lr: float = 3e-3,
         weight_decay: float = 0.1,
         warmup_steps: int = 20,
+        attention: Literal["sdpa", "written"] = "sdpa",
     ) -> None:
         super().__init__()
         for name, value in (("vocab_size", vocab_size), ("block_size", block_size), ("n_layer", n_layer),
@@ -99,6 +131,8 @@ class CharGPT(L.LightningModule):
                 f"`CharGPT(n_embd={n_embd}, n_head={n_head})`: n_head must divide n_embd "
                 f"(try n_head={math.gcd(n_embd, n_head)})."
             )
+        if attention not in ("sdpa", "written"):
+            raise ValueError(f"`CharGPT(attention={attention!r})`: choose 'sdpa' or 'written'.")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"`CharGPT(dropout={dropout})`: dropout must be in [0, 1).")
         self.save_hyperparameters()
@@ -106,7 +140,7 @@ class CharGPT(L.LightningModule):
         self.tok_emb = nn.Embedding(vocab_size, n_embd)
         self.pos_emb = nn.Embedding(block_size, n_embd)
         self.drop = nn.Dropout(dropout)
-        self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout) for _ in range(n_layer))
+        self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout, attention, block_size) for _ in range(n_layer))
         self.ln_f = nn.LayerNorm(n_embd)
         self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
         self.lr, self.weight_decay, self.warmup_steps = lr, weight_decay, warmup_steps

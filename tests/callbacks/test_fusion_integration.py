@@ -13,7 +13,6 @@ from lightning_bigtrain.data import ShakespeareDataModule
 from lightning_bigtrain.models import CharGPT
 from lightning_bigtrain.warnings import BigtrainWarning, NoEffectWarning
 from tests.helpers.distributed import run_on_ranks
-from tests.helpers.models import written_attention_gpt
 
 pytestmark = pytest.mark.integration
 
@@ -146,7 +145,7 @@ class _SwapProbe(L.Callback):
 
 def _written_fit(callbacks: list, steps: int = 6) -> tuple[list[float], CharGPT, _SwapProbe]:
     L.seed_everything(0, verbose=False)
-    model = written_attention_gpt(block_size=16, n_layer=2, n_head=4, n_embd=32, warmup_steps=2)
+    model = CharGPT(block_size=16, n_layer=2, n_head=4, n_embd=32, warmup_steps=2, attention="written")
     losses, probe = _Losses(), _SwapProbe()
     trainer = L.Trainer(devices=1, max_steps=steps, callbacks=[*callbacks, losses, probe], **_COMMON)
     trainer.fit(model, datamodule=_data())
@@ -250,7 +249,7 @@ def _strategy_runs(rank: int) -> dict:
                 warnings.simplefilter("always")
                 trainer = L.Trainer(devices=2, strategy=make(), max_steps=6, callbacks=[*fusion, losses, probe],
                                     **_COMMON)  # fmt: skip
-                trainer.fit(written_attention_gpt(block_size=16, n_layer=2, n_head=2, n_embd=32, warmup_steps=2),
+                trainer.fit(CharGPT(block_size=16, n_layer=2, n_head=2, n_embd=32, warmup_steps=2, attention="written"),
                             datamodule=_data())  # fmt: skip
             key = f"{name}_{'fused' if fused else 'plain'}"
             out[key] = losses.losses

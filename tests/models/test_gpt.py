@@ -73,3 +73,20 @@ def test_learns_real_text_and_optimizer_groups_cover_every_parameter(shakespeare
     ids = [id(p) for g in groups for p in g["params"]]
     assert sorted(ids) == sorted(id(p) for p in model.parameters())
     assert groups[1]["weight_decay"] == 0.0 and id(model.tok_emb.weight) in {id(p) for p in groups[1]["params"]}
+
+
+def test_written_attention_is_the_same_model_computed_step_by_step():
+    """``attention="written"``: same initialization and state_dict keys as SDPA attention, same outputs to
+    float rounding (1e-5)."""
+    torch.manual_seed(0)
+    sdpa = CharGPT(block_size=16, n_layer=2, n_head=2, n_embd=32)
+    torch.manual_seed(0)
+    written = CharGPT(block_size=16, n_layer=2, n_head=2, n_embd=32, attention="written")
+    assert sdpa.state_dict().keys() == written.state_dict().keys()
+    assert all(
+        torch.equal(a, b) for a, b in zip(sdpa.state_dict().values(), written.state_dict().values(), strict=True)
+    )
+    idx = torch.randint(0, 96, (2, 16))
+    torch.testing.assert_close(written(idx), sdpa(idx), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="attention='flash'"):
+        CharGPT(attention="flash")  # type: ignore[arg-type]
