@@ -490,7 +490,6 @@ def _swap_norm_activation(graph: fx.Graph, module: nn.Module) -> list[str]:
         if act.op == "call_module" and isinstance(module.get_submodule(act.target), _ACT_MODULES):
             if len(act.args) != 1 or act.kwargs:
                 continue
-            fn: Any = None
             name = act.target
             args, kwargs = (), {}
         elif act.op == "call_function" and act.target in _ACT_FUNCTIONS:
