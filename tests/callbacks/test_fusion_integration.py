@@ -273,3 +273,18 @@ def test_fusion_with_compressed_ddp_and_zero_trains_like_without():
         assert all(r["compressed_fused_swapped"]) and all(r["zero2_fused_swapped"])
     warned = results[0]["zero2_fused_warnings"]
     assert any("left FlatShardedOptimizer as it is" in m for m in warned), warned
+
+
+def test_regional_compile_without_repeated_blocks_warns_and_compiles_the_whole_forward():
+    """Compile is lazy: switching modes compiles nothing yet, so the fallback is checked without a fit."""
+    from lightning_bigtrain import warnings as bt_warnings
+    from lightning_bigtrain.models import FashionCNN
+
+    bt_warnings._seen.clear()
+    fusion = OperatorFusion("regional")
+    model = FashionCNN(channels=(4, 8))
+    with pytest.warns(NoEffectWarning, match="FashionCNN has no repeated blocks; compiling the whole forward"):
+        fusion._apply(model, "regional")
+    assert fusion._compiled == [model] and model._compiled_call_impl is not None
+    fusion._apply(model, "off")
+    assert model._compiled_call_impl is None
