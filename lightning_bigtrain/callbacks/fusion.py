@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from lightning_bigtrain.functional.fusion import fuse_optimizer, repeated_blocks, supports_fused
-from lightning_bigtrain.functional.surgery import SWAP_KINDS, Swap, refresh_swaps, restore_modules, swap_modules
+from lightning_bigtrain.functional.surgery import Swap, check_kinds, refresh_swaps, restore_modules, swap_modules
 from lightning_bigtrain.warnings import BigtrainWarning, NoEffectWarning, warn_once
 
 __all__ = ["OperatorFusion"]
@@ -99,14 +99,9 @@ class OperatorFusion(L.Callback):
         elif swap_modules is False:
             self.swap_kinds = ()
         else:
-            kinds = (swap_modules,) if isinstance(swap_modules, str) else tuple(swap_modules)
-            unknown = [k for k in kinds if k not in SWAP_KINDS]
-            if unknown:
-                raise ValueError(
-                    f"`OperatorFusion(swap_modules={swap_modules!r})`: unknown swap kind(s) {unknown}; pass True, "
-                    f"False or a list of {', '.join(SWAP_KINDS)}."
-                )
-            self.swap_kinds = kinds
+            self.swap_kinds = check_kinds(
+                swap_modules, f"`OperatorFusion(swap_modules={swap_modules!r})` (or True/False)"
+            )
         self._swaps_named = swap_modules is not True
         self.swaps: list[Swap] = []
         self.compile = compile

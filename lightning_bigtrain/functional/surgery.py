@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["SWAP_KINDS", "Swap", "fold_conv_bn", "refresh_swaps", "restore_modules", "swap_modules"]
+__all__ = ["SWAP_KINDS", "Swap", "check_kinds", "fold_conv_bn", "refresh_swaps", "restore_modules", "swap_modules"]
 
 SWAP_KINDS = ("attention", "norm_activation")
 _STATE = "_bigtrain_surgery"
@@ -126,7 +126,7 @@ def swap_modules(model: nn.Module, kinds: Iterable[str] = SWAP_KINDS) -> list[Sw
     tried. Calling it again re-traces modules whose structure changed and leaves the others. Returns the
     swaps in place after the call.
     """
-    kinds = _check_kinds(kinds)
+    kinds = check_kinds(kinds)
     found: list[Swap] = []
     for path, module in _candidates(model):
         state = module.__dict__.get(_STATE)
@@ -196,13 +196,15 @@ class _LeafTracer(fx.Tracer):
         return True
 
 
-def _check_kinds(kinds: Iterable[str]) -> tuple[str, ...]:
-    if isinstance(kinds, str):
-        kinds = (kinds,)
-    kinds = tuple(kinds)
+def check_kinds(kinds: str | Iterable[str], who: str | None = None) -> tuple[str, ...]:
+    """``kinds`` as a tuple of known swap kinds; a ValueError naming ``who`` (the argument) otherwise."""
+    kinds = (kinds,) if isinstance(kinds, str) else tuple(kinds)
     unknown = [k for k in kinds if k not in SWAP_KINDS]
     if unknown:
-        raise ValueError(f"swap_modules(kinds={kinds!r}): unknown {unknown}; choose from {SWAP_KINDS}.")
+        raise ValueError(
+            f"{who or f'swap_modules(kinds={kinds!r})'}: unknown swap kind(s) {unknown}; choose from "
+            f"{', '.join(SWAP_KINDS)}."
+        )
     return kinds
 
 
@@ -340,6 +342,8 @@ def _swap_attention(graph: fx.Graph, module: nn.Module) -> list[str]:
         with graph.inserting_before(out):
             if isinstance(mask, tuple):  # masked_fill(cond, -inf): attend where cond is False
                 mask = graph.call_function(torch.logical_not, (mask[1],))
+            if isinstance(scale, tuple):  # divided by a computed value
+                scale = graph.call_function(operator.truediv, (1.0, scale[1]))
             if dropout is None:
                 p, training = 0.0, False
             else:
@@ -413,12 +417,8 @@ def _match_attention(softmax: fx.Node, module: nn.Module) -> tuple[Any, ...] | N
         if not _is_scalar_expr(b) or not isinstance(a, fx.Node):
             return None
         chain.insert(0, scores)
-        scores, scale = a, b
-        if isinstance(scale, int | float):
-            scale = 1.0 / scale
-        else:
-            with scores.graph.inserting_after(scale):
-                scale = scores.graph.call_function(operator.truediv, (1.0, scale))
+        # a divisor node becomes 1 / divisor in the graph only once the whole pattern matched
+        scores, scale = a, (1.0 / b if isinstance(b, int | float) else ("reciprocal", b))
     if not (isinstance(scores, fx.Node) and scores.op == "call_function" and scores.target in _MATMUL):
         return None
     kt = scores.args[1]
