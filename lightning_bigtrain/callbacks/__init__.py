@@ -1,6 +1,7 @@
 """Lightning callbacks of lightning_bigtrain."""
 
 from lightning_bigtrain.callbacks.distillation import DistillationOptions, KnowledgeDistillation
+from lightning_bigtrain.callbacks.fault_tolerance import EXIT_PREEMPTED, FaultTolerance, Preempted
 from lightning_bigtrain.callbacks.fusion import OperatorFusion
 from lightning_bigtrain.callbacks.pruning import (
     MagnitudePruning,
@@ -12,10 +13,13 @@ from lightning_bigtrain.callbacks.pruning import (
 from lightning_bigtrain.callbacks.report import RunReport, format_report
 
 __all__ = [
+    "EXIT_PREEMPTED",
     "DistillationOptions",
+    "FaultTolerance",
     "KnowledgeDistillation",
     "MagnitudePruning",
     "OperatorFusion",
+    "Preempted",
     "PruningSchedule",
     "RunReport",
     "StructuredPruning",

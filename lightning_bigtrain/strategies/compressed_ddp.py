@@ -17,6 +17,7 @@ from lightning_bigtrain.strategies._compression import (
     compression_applies,
     resolve_compression,
 )
+from lightning_bigtrain.strategies._fault import FaultTolerantStrategyMixin
 
 if TYPE_CHECKING:
     from lightning.fabric.strategies import _StrategyRegistry
@@ -47,7 +48,7 @@ _compressed_hook.__annotations__ = {
 }
 
 
-class CompressedDDPStrategy(DDPStrategy):
+class CompressedDDPStrategy(FaultTolerantStrategyMixin, DDPStrategy):
     """Data parallelism with compressed gradient exchange, for any LightningModule.
 
     Registers a DDP communication hook that hands each gradient bucket to a
@@ -93,6 +94,7 @@ class CompressedDDPStrategy(DDPStrategy):
         super().__init__(**kwargs)
         self.compression = compressor
         self._support = CompressionSupport(compressor)
+        self._init_fault_tolerance()
 
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:

@@ -21,9 +21,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 
+from lightning_bigtrain.checkpointing import atomic_folder_save, load_path
 from lightning_bigtrain.functional.compression import Cast, Compressor
 from lightning_bigtrain.strategies._common import RNG_KEY, ZeroCommon
 from lightning_bigtrain.strategies._compression import resolve_compression
+from lightning_bigtrain.strategies._fault import FaultTolerantStrategyMixin
 from lightning_bigtrain.warnings import NoEffectWarning, warn_once
 
 if TYPE_CHECKING:
@@ -221,7 +223,7 @@ def deepspeed_state_bytes(engine: Any) -> dict[str, int]:
     return out
 
 
-class DeepSpeedZeroStrategy(ZeroCommon, DeepSpeedStrategy):
+class DeepSpeedZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, DeepSpeedStrategy):
     """ZeRO stages 1-3 on DeepSpeed's engine, with :class:`ZeroStrategy`'s arguments; CPU (gloo) and CUDA.
 
     Usually made as ``ZeroStrategy(stage, engine="deepspeed", ...)``; registered as
@@ -353,6 +355,7 @@ class DeepSpeedZeroStrategy(ZeroCommon, DeepSpeedStrategy):
         self.deepspeed_options = ds
         self._rng_seed: int | None = None
         self.memory: dict[str, int] = {}
+        self._init_fault_tolerance()
 
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
@@ -455,11 +458,15 @@ class DeepSpeedZeroStrategy(ZeroCommon, DeepSpeedStrategy):
         return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """DeepSpeed's folder, written under a temporary name and committed by rank 0 (``filepath`` becomes a
+        link)."""
         checkpoint[RNG_KEY] = self._rng_state()
-        super().save_checkpoint(checkpoint, filepath, storage_options)
+        save = super().save_checkpoint
+        atomic_folder_save(self, filepath, lambda staging: save(checkpoint, staging, storage_options))
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
+        location = self.broadcast(load_path(str(checkpoint_path)) if self.is_global_zero else None)
+        checkpoint = super().load_checkpoint(location, weights_only)
         self._restore_rng_state(checkpoint)
         return checkpoint
 

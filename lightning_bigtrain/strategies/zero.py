@@ -19,6 +19,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 
+from lightning_bigtrain.checkpointing import atomic_folder_save, load_path
 from lightning_bigtrain.functional.compression import Cast, Compressor, GradientCompression
 from lightning_bigtrain.functional.flat_shard import FlatShardedOptimizer
 from lightning_bigtrain.functional.memory import model_state_bytes
@@ -36,6 +37,7 @@ from lightning_bigtrain.strategies._compression import (
     compression_applies,
     resolve_compression,
 )
+from lightning_bigtrain.strategies._fault import FaultTolerantStrategyMixin
 from lightning_bigtrain.strategies.deepspeed_zero import DeepSpeedOptions
 from lightning_bigtrain.warnings import NoEffectWarning, warn_once
 
@@ -86,7 +88,7 @@ class ZeroOptions:
             )
 
 
-class ZeroStrategy(ZeroCommon, ModelParallelStrategy):
+class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy):
     """ZeRO data parallelism (Rajbhandari et al., 2020) for any LightningModule.
 
     * ``stage=1``: optimizer states sharded; parameters and gradients replicated. Gradient buckets are
@@ -245,6 +247,7 @@ class ZeroStrategy(ZeroCommon, ModelParallelStrategy):
         self._fsdp_comm: CommCounter | None = None
         self._logged_comm_bytes = 0
         self.memory: dict[str, int] = {}
+        self._init_fault_tolerance()
 
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
@@ -375,20 +378,27 @@ class ZeroStrategy(ZeroCommon, ModelParallelStrategy):
         return super().optimizer_state(optimizer)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Sharded: a folder written under a temporary name and committed by rank 0 (``filepath`` becomes a link,
+        or a pointer object on object stores); one file: through the atomic ``checkpoint_io``."""
         checkpoint[RNG_KEY] = self._rng_state()
         if self._compression is not None:
             state = self._compression.state_for_checkpoint(self)
             if state is not None:
                 checkpoint[CHECKPOINT_KEY] = state
-        location = str(self.broadcast(str(filepath)))
-        if not _is_url(location):
+        if storage_options is not None and self._save_distributed_checkpoint:
+            raise TypeError("`ZeroStrategy.save_checkpoint(..., storage_options=...)` is not supported.")
+        if not self._save_distributed_checkpoint:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
+        atomic_folder_save(self, filepath, lambda staging: self._save_shards(checkpoint, staging))
+        return None
+
+    def _save_shards(self, checkpoint: dict[str, Any], location: str) -> None:
+        if not _is_url(location):
+            return super().save_checkpoint(checkpoint, location)
         import fsspec
         import torch.distributed.checkpoint as dcp
         from lightning.fabric.utilities.load import _METADATA_FILENAME
 
-        if storage_options is not None:
-            raise TypeError("`ZeroStrategy.save_checkpoint(..., storage_options=...)` is not supported.")
         shards = {"state_dict": checkpoint.pop("state_dict")}
         for i, optimizer_state in enumerate(checkpoint.pop("optimizer_states", [])):
             shards[f"optimizer_{i}"] = optimizer_state
@@ -409,9 +419,10 @@ class ZeroStrategy(ZeroCommon, ModelParallelStrategy):
         return checkpoint
 
     def _load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None) -> dict[str, Any]:
-        location = str(self.broadcast(str(checkpoint_path)))
+        # What the name points to, once committed (an uncommitted or damaged one is skipped with a warning).
+        location = str(self.broadcast(load_path(str(checkpoint_path)) if self.is_global_zero else None))
         if not self._flat_engine and not _is_url(location):
-            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+            return super().load_checkpoint(location, weights_only=weights_only)
         import fsspec
         import torch.distributed.checkpoint as dcp
         from lightning.fabric.utilities.load import _METADATA_FILENAME

@@ -1,0 +1,277 @@
+"""Exact mid-epoch resume for the training dataloaders Lightning builds.
+
+The position in the epoch is kept in the sampler as a **global sample cursor**: the number of samples of the
+epoch's (shuffled, padded) index list that all ranks together have consumed, with the shuffle seed and epoch.
+Because the cursor is global, it can be re-partitioned when the run resumes at another world size: the
+remaining indices are dealt out to the new ranks the way :class:`~torch.utils.data.DistributedSampler` deals
+them, so no sample of the epoch is skipped and none is repeated (beyond the sampler's padding).
+
+At the same world size the resumed ranks draw exactly the indices the uninterrupted run would have drawn:
+the index list is :class:`~torch.utils.data.DistributedSampler`'s own (same seed, epoch and padding), and
+rank ``r`` takes every ``world_size``-th index from the cursor on.
+
+:func:`make_resumable` swaps the sampler Lightning injected for a :class:`ResumableDistributedSampler` with the
+same settings and gives the dataloader instance ``state_dict``/``load_state_dict``, which Lightning's fit loop
+saves in checkpoints and restores before it iterates. The number of batches consumed comes from the fit
+loop's own progress counter (``batch_progress.current.processed``, the count Lightning restores), not from the
+iterator, which worker processes and prefetching run ahead of. Map-style datasets need no worker state:
+indices come from the main process, so ``num_workers > 0`` resumes exactly as long as the dataset's
+``__getitem__`` is deterministic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+
+__all__ = [
+    "STATE_VERSION",
+    "ResumableDistributedSampler",
+    "is_stateful_loader",
+    "load_pending_states",
+    "make_resumable",
+]
+
+STATE_VERSION = 1
+
+
+class ResumableDistributedSampler(DistributedSampler):
+    """:class:`~torch.utils.data.DistributedSampler` with a global, re-partitionable position in the epoch.
+
+    Without a resume position it yields exactly what ``DistributedSampler`` yields. After
+    :meth:`resume` it yields, for the one epoch it was resumed in, only the indices not yet consumed,
+    dealt out to this rank as ``remaining[rank::num_replicas]`` (padded to equal length per rank);
+    ``len()`` still counts the epoch's batches that were consumed before the resume (``counted``), so the
+    dataloader's length is the number of batches the fit loop expects in the whole epoch.
+
+    Args:
+        dataset: A sized dataset (or Lightning's wrapper of a user's sampler).
+        num_replicas: World size.
+        rank: This rank.
+        shuffle: Shuffle with ``seed + epoch`` (as ``DistributedSampler``).
+        seed: Shuffle seed, the same on every rank.
+        drop_last: Drop the tail instead of padding (as ``DistributedSampler``).
+        index_map: Maps an index of the distributed list to the dataset index (used when wrapping a
+            user's sampler, whose output list is indexed).
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        index_map: Callable[[], Callable[[int], Any]] | None = None,
+    ) -> None:
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed,
+                         drop_last=drop_last)  # fmt: skip
+        self._index_map = index_map
+        self._resume: tuple[int, int] | None = None  # (cursor, counted samples) for the epoch resumed in
+        self._active: tuple[int, int] = (0, 0)  # the same for the iteration in progress
+
+    # ---- the index list --------------------------------------------------------------------------------
+    def _epoch_indices(self) -> list[int]:
+        """This epoch's index list, before padding (DistributedSampler's order)."""
+        if self.shuffle:
+            g = torch.Generator()
+            g.manual_seed(self.seed + self.epoch)
+            return torch.randperm(len(self.dataset), generator=g).tolist()  # type: ignore[arg-type]
+        return list(range(len(self.dataset)))  # type: ignore[arg-type]
+
+    def _padded(self, indices: list[int], multiple: int) -> list[int]:
+        """Pad (repeating from the start) or cut to a multiple of ``multiple``, as DistributedSampler does."""
+        if self.drop_last:
+            return indices[: len(indices) - len(indices) % multiple]
+        padding = (-len(indices)) % multiple
+        while padding > 0:
+            take = indices[: min(padding, len(indices))]
+            indices = indices + take
+            padding -= len(take)
+        return indices
+
+    def _remaining(self, cursor: int) -> list[int]:
+        """The indices not consumed yet, padded for this world size."""
+        indices = self._epoch_indices()
+        if cursor <= len(indices):
+            rest = indices[cursor:]
+        else:  # the padding of a previous world size was being consumed: the epoch's samples are all seen
+            rest = []
+        if not rest:
+            return []
+        return self._padded(rest, self.num_replicas)
+
+    # ---- Sampler interface -----------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[Any]:
+        cursor, counted = self._resume if self._resume is not None else (0, 0)
+        self._resume = None
+        self._active = (cursor, counted)
+        if cursor == 0:
+            own = self._padded(self._epoch_indices(), self.num_replicas)[self.rank :: self.num_replicas]
+        else:
+            own = self._remaining(cursor)[self.rank :: self.num_replicas]
+        if self._index_map is not None:
+            lookup = self._index_map()
+            return iter([lookup(i) for i in own])
+        return iter(own)
+
+    def __len__(self) -> int:
+        if self._resume is None:
+            return self.num_samples
+        cursor, counted = self._resume
+        return counted + len(self._remaining(cursor)) // self.num_replicas
+
+    def set_epoch(self, epoch: int) -> None:
+        if self._resume is not None and epoch != self.epoch:
+            self._resume = None  # a new epoch starts from its beginning
+        if epoch != self.epoch:
+            self._active = (0, 0)
+        super().set_epoch(epoch)
+
+    # ---- position --------------------------------------------------------------------------------------
+    def cursor(self, samples_per_rank: int) -> int:
+        """The global cursor after this rank consumed ``samples_per_rank`` samples of the current epoch
+        (counted from the epoch's start, as the fit loop counts them)."""
+        start, counted = self._active
+        return start + max(samples_per_rank - counted, 0) * self.num_replicas
+
+    def resume(self, epoch: int, cursor: int, counted: int) -> None:
+        """Continue ``epoch`` after ``cursor`` samples consumed globally; ``counted`` samples of this rank are
+        already counted by the fit loop (the epoch's length stays the loop's)."""
+        if cursor < 0 or counted < 0:
+            raise ValueError(f"ResumableDistributedSampler.resume(cursor={cursor}, counted={counted}): must be >= 0.")
+        self.epoch = epoch
+        self._resume = (cursor, counted)
+
+
+def is_stateful_loader(loader: object) -> bool:
+    """Whether Lightning's fit loop saves and restores ``loader``'s position (the ``_Stateful`` protocol)."""
+    return callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))
+
+
+def _batches_consumed(trainer: Any) -> int:
+    """Training batches of the current epoch the fit loop has processed (the count it restores on resume)."""
+    return int(trainer.fit_loop.epoch_loop.batch_progress.current.processed)
+
+
+def make_resumable(dataloader: object, trainer_ref: Callable[[], Any]) -> object:
+    """Make a dataloader Lightning built resume exactly mid-epoch, in place where possible.
+
+    A ``DataLoader`` whose sampler is Lightning's injected ``DistributedSampler`` (or its wrapper of a
+    user's sampler) is rebuilt with a :class:`ResumableDistributedSampler` carrying the same settings and
+    given ``state_dict``/``load_state_dict``. Loaders that are stateful already (torchdata's
+    ``StatefulDataLoader``, a user's own) and anything else are returned unchanged.
+
+    Args:
+        dataloader: What ``train_dataloader()`` returned, after Lightning's sampler injection.
+        trainer_ref: Returns the trainer (its fit loop counts the consumed batches).
+
+    Returns:
+        The dataloader to use.
+    """
+    if not isinstance(dataloader, DataLoader) or is_stateful_loader(dataloader):
+        return dataloader
+    sampler = dataloader.sampler
+    if type(sampler) is not DistributedSampler and not _is_sampler_wrapper(sampler):
+        return dataloader
+    if dataloader.batch_size is None:  # a custom batch sampler: its batches may not be fixed-size
+        return dataloader
+    assert isinstance(sampler, DistributedSampler)
+    index_map = None
+    dataset = sampler.dataset
+    if _is_sampler_wrapper(sampler):
+        wrapped = sampler.dataset  # Lightning's _DatasetSamplerWrapper over the user's sampler
+
+        def index_map() -> Callable[[int], Any]:
+            wrapped.reset()
+            return wrapped.__getitem__
+
+    resumable = ResumableDistributedSampler(
+        dataset,
+        num_replicas=sampler.num_replicas,
+        rank=sampler.rank,
+        shuffle=sampler.shuffle,
+        seed=sampler.seed,
+        drop_last=sampler.drop_last,
+        index_map=index_map,
+    )
+    from lightning.pytorch.utilities.data import _update_dataloader
+
+    loader = _update_dataloader(dataloader, resumable)
+    batch_size = int(loader.batch_size)  # type: ignore[arg-type]
+
+    def state_dict() -> dict[str, Any]:
+        samples = _batches_consumed(trainer_ref()) * batch_size
+        return {
+            "version": STATE_VERSION,
+            "epoch": resumable.epoch,
+            "seed": resumable.seed,
+            "shuffle": resumable.shuffle,
+            "num_samples": len(dataset),
+            "cursor": resumable.cursor(samples),
+            "world_size": resumable.num_replicas,
+        }
+
+    def load_state_dict(state: dict[str, Any]) -> None:
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"A training dataloader state of version {state.get('version')!r} cannot be loaded "
+                             f"(this lightning_bigtrain writes version {STATE_VERSION}).")  # fmt: skip
+        if state["num_samples"] != len(dataset) or state["seed"] != resumable.seed:
+            raise ValueError(
+                f"The checkpoint's training data position is for a dataset of {state['num_samples']} samples "
+                f"shuffled with seed {state['seed']}; this run has {len(dataset)} samples and seed "
+                f"{resumable.seed}. Resume with the same dataset and seed (seed_everything), or start a new run."
+            )
+        trainer = trainer_ref()
+        counted = _batches_consumed(trainer) * batch_size
+        resumable.resume(int(state["epoch"]), int(state["cursor"]), counted)
+        _refresh_limit(trainer, loader)
+
+    loader.state_dict = state_dict  # type: ignore[method-assign]
+    loader.load_state_dict = load_state_dict  # type: ignore[attr-defined]
+    loader._bigtrain_resumable = True  # type: ignore[attr-defined]
+    return loader
+
+
+def load_pending_states(trainer: Any) -> None:
+    """Make sure the checkpoint's dataloader states reach the dataloaders (call at ``on_train_start``).
+
+    Lightning restores them when it builds the training dataloaders, after loading the checkpoint. A model
+    whose ``configure_optimizers`` reads ``trainer.estimated_stepping_batches`` (an LR schedule over the run)
+    makes Lightning build them earlier, before the checkpoint is loaded, and the states are then never
+    applied: the epoch would restart from its first batch. The loaders are dropped here so that the fit
+    loop builds them again, with the states, before the first batch.
+    """
+    fit_loop = trainer.fit_loop
+    if not getattr(fit_loop, "_combined_loader_states_to_load", None) or fit_loop._combined_loader is None:
+        return
+    if fit_loop._data_fetcher is not None:
+        fit_loop._data_fetcher.teardown()
+    fit_loop._combined_loader = None
+
+
+def _refresh_limit(trainer: Any, loader: object) -> None:
+    """Lightning counts the epoch's batches before it restores loader states; at another world size the
+    resumed epoch has another length, so this loader's limit is counted again."""
+    from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batches
+    from lightning.pytorch.trainer.states import RunningStage
+
+    combined = getattr(trainer.fit_loop, "_combined_loader", None)
+    if combined is None or combined.limits is None:
+        return
+    limits = list(combined.limits)
+    for i, candidate in enumerate(combined.flattened):
+        if candidate is loader:
+            limits[i] = _parse_num_batches(RunningStage.TRAINING, len(loader), trainer.limit_train_batches)  # type: ignore[arg-type]
+    combined.limits = limits
+
+
+def _is_sampler_wrapper(sampler: object) -> bool:
+    from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
+
+    return type(sampler) is DistributedSamplerWrapper
+

@@ -1,0 +1,147 @@
+"""What this package's strategies share for crash consistency: preemption signals (record, agree at the next
+batch, checkpoint, exit with :data:`EXIT_PREEMPTED`), resumable training dataloaders, atomic single-file
+checkpoints. :class:`~lightning_bigtrain.callbacks.FaultTolerance` gives Lightning's own strategies the same."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+
+from lightning_bigtrain.checkpointing import AtomicCheckpointIO
+from lightning_bigtrain.data.resumable import load_pending_states, make_resumable
+
+__all__ = ["EXIT_PREEMPTED", "FaultTolerantStrategyMixin", "Preempted", "Preemption"]
+
+EXIT_PREEMPTED = 75
+_SIGNALS = ("SIGTERM", "SIGUSR1")
+
+
+class Preempted(SystemExit):
+    """Raised on every rank after the preemption checkpoint is committed; exits with :data:`EXIT_PREEMPTED`."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(EXIT_PREEMPTED)
+        self.path = path
+
+    def __str__(self) -> str:
+        return f"preempted: checkpoint committed at {self.path}; relaunch with ckpt_path='last' to continue"
+
+
+def _check_signals(signals: Sequence[str], owner: str) -> tuple[str, ...]:
+    names = tuple(signals)
+    for name in names:
+        if not isinstance(name, str) or not hasattr(signal, name) or not name.startswith("SIG"):
+            raise ValueError(f"`{owner}(signals={names!r})`: {name!r} is not a signal name such as 'SIGTERM'.")
+        if name in ("SIGKILL", "SIGSTOP"):
+            raise ValueError(f"`{owner}(signals={names!r})`: {name} cannot be caught; a process just dies.")
+    return names
+
+
+class Preemption:
+    """Signal handling shared by the strategies and the callback: record a signal, agree on it at the next
+    batch, checkpoint, exit."""
+
+    def __init__(self, signals: Sequence[str] = _SIGNALS) -> None:
+        self.signals = _check_signals(signals, "FaultTolerance")
+        self.received: str | None = None
+        self._previous: dict[int, Any] = {}
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        self.received = signal.Signals(signum).name
+
+    def install(self) -> None:
+        """Replace the handlers (Lightning's own SIGTERM handler included) for the duration of training."""
+        if threading.current_thread() is not threading.main_thread() or self._previous:
+            return
+        for name in self.signals:
+            num = getattr(signal, name)
+            self._previous[num] = signal.getsignal(num)
+            signal.signal(num, self._handler)
+
+    def uninstall(self) -> None:
+        for num, handler in self._previous.items():
+            with contextlib.suppress(ValueError, TypeError):
+                signal.signal(num, handler if handler is not None else signal.SIG_DFL)
+        self._previous = {}
+
+    def _agreed(self, trainer: L.Trainer) -> bool:
+        flag = 1 if self.received else 0
+        if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
+            t = torch.tensor([flag], dtype=torch.int32, device=trainer.strategy.root_device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            flag = int(t.item())
+        return flag > 0
+
+    def check(self, trainer: L.Trainer) -> None:
+        """At the start of a training batch: if any rank was signalled, checkpoint and raise :class:`Preempted`.
+        Collective when more than one rank runs."""
+        if not self._previous:
+            return
+        if not self._agreed(trainer):
+            return
+        done = trainer.fit_loop.epoch_loop.batch_progress.current.processed
+        if done % trainer.accumulate_grad_batches:
+            return  # mid-accumulation: the gradients of this cycle are in no checkpoint; stop at the boundary
+        path = _last_path(trainer)
+        trainer.save_checkpoint(path)
+        for cb in trainer.checkpoint_callbacks:
+            if hasattr(cb, "last_model_path"):
+                cb.last_model_path = path
+        raise Preempted(path)
+
+
+def _last_path(trainer: L.Trainer) -> str:
+    """Where ``ckpt_path="last"`` will look: ``last.ckpt`` in the ModelCheckpoint folder."""
+    cb = trainer.checkpoint_callback
+    dirpath = getattr(cb, "dirpath", None)
+    if dirpath is None:
+        dirpath = os.path.join(trainer.default_root_dir, "checkpoints")
+    name = getattr(cb, "CHECKPOINT_NAME_LAST", "last") + getattr(cb, "FILE_EXTENSION", ".ckpt")
+    return f"{str(dirpath).rstrip('/')}/{name}"
+
+
+class FaultTolerantStrategyMixin:
+    """Mixed into this package's strategies: resumable training dataloaders, atomic single-file checkpoints,
+    preemption signals. Folder checkpoints are committed by each strategy's ``save_checkpoint``."""
+
+    _preemption: Preemption | None = None
+
+    def _init_fault_tolerance(self) -> None:
+        if getattr(self, "_checkpoint_io", None) is None:
+            self._checkpoint_io = AtomicCheckpointIO()
+        self._preemption = Preemption()
+
+    def process_dataloader(self, dataloader: object) -> object:
+        dataloader = super().process_dataloader(dataloader)  # type: ignore[misc]
+        trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
+        if trainer is None or not trainer.training:
+            return dataloader
+        return make_resumable(dataloader, lambda: self.lightning_module.trainer)  # type: ignore[attr-defined]
+
+    def on_train_start(self) -> None:
+        super().on_train_start()  # type: ignore[misc]
+        load_pending_states(self.lightning_module.trainer)  # type: ignore[attr-defined]
+        if self._preemption is not None:
+            self._preemption.install()
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self._preemption is not None:
+            self._preemption.check(self.lightning_module.trainer)  # type: ignore[attr-defined]
+        super().on_train_batch_start(batch, batch_idx)  # type: ignore[misc]
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:  # type: ignore[attr-defined]
+            self.checkpoint_io.remove_checkpoint(filepath)  # type: ignore[attr-defined]
+
+    def teardown(self) -> None:
+        if self._preemption is not None:
+            self._preemption.uninstall()
+        super().teardown()  # type: ignore[misc]

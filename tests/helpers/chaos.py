@@ -1,0 +1,263 @@
+"""Chaos harness: a 2-rank fit killed at seeded fault points, relaunched with auto-resume, compared bit for bit.
+
+A *job* is one ``python -m tests.helpers.chaos ...`` process tree: rank 0 runs the script and Lightning's
+subprocess launcher starts rank 1 from it, in the same process group. A fault takes the **whole job** down
+with ``SIGKILL`` on the process group (as a scheduler would), at one of the named points of the global step
+it is set for:
+
+* ``batch_start``: a training batch is fetched, nothing computed yet;
+* ``step``: inside the step, after backward and before the optimizer step;
+* ``save_before_commit``: inside a checkpoint save, every rank's data written, the commit not yet made;
+* ``save_after_commit``: right after a checkpoint's commit.
+
+:func:`run_chaos` runs the uninterrupted job, then jobs with one fault each (seeded choices of point, step
+and killing rank; steps increase so each fault is reached), then a job without fault that finishes the run
+from the newest committed checkpoint, and compares every rank's final parameters and buffers with the
+uninterrupted run's (``torch.equal``). Checkpoints are taken every ``every`` steps by Lightning's own
+``ModelCheckpoint(every_n_train_steps=every, save_last=True)``, mid-epoch; every job is started with
+``ckpt_path="last"``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+POINTS = ("batch_start", "step", "save_before_commit", "save_after_commit")
+_SAVE_POINTS = ("save_before_commit", "save_after_commit")
+_REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class ChaosResult:
+    """What one chaos run of a settings row did."""
+
+    setting: str
+    faults: list[tuple[str, int, int]]
+    returncodes: list[int]
+    resumed_from: list[int]
+    mid_epoch_resumes: int
+    identical: bool
+    max_abs_diff: float
+    seconds: float
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def kills_survived(self) -> int:
+        return sum(1 for rc in self.returncodes[:-1] if rc == -signal.SIGKILL)
+
+
+def _kill_job() -> None:
+    sys.stdout.flush()
+    os.killpg(os.getpgid(0), signal.SIGKILL)
+
+
+# ---- the job (runs inside each rank) ------------------------------------------------------------------------
+def _job(args: argparse.Namespace) -> int:
+    import lightning as L
+    import torch
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_bigtrain import checkpointing
+    from lightning_bigtrain.callbacks import FaultTolerance
+    from lightning_bigtrain.strategies._fault import FaultTolerantStrategyMixin
+    from tests.helpers.settings import by_name
+
+    torch.set_num_threads(1)
+    rank = int(os.environ.get("LOCAL_RANK", 0))
+    fault = None
+    if args.fault:
+        point, step, fault_rank = args.fault.split("@")
+        fault = (point, int(step), int(fault_rank))
+
+    class Chaos(L.Callback):
+        start_step = -1
+
+        def _maybe(self, trainer: L.Trainer, point: str) -> None:
+            if fault and fault[0] == point and trainer.global_step == fault[1] and rank == fault[2]:
+                _kill_job()
+
+        def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            self.start_step = trainer.global_step
+            if rank == 0:
+                Path(args.out, f"start-{args.launch}.json").write_text(json.dumps({"step": trainer.global_step}))
+
+        def on_train_batch_start(self, trainer: L.Trainer, *a: Any) -> None:
+            self._maybe(trainer, "batch_start")
+
+        def on_before_optimizer_step(self, trainer: L.Trainer, *a: Any) -> None:
+            self._maybe(trainer, "step")
+
+        def on_train_batch_end(self, trainer: L.Trainer, *a: Any) -> None:
+            if args.sigterm is not None and trainer.global_step == args.sigterm and rank == 1:
+                os.kill(os.getppid(), signal.SIGTERM)  # the launcher (rank 0's process) is told to stop
+
+    chaos = Chaos()
+    if fault and fault[0] in _SAVE_POINTS and rank == fault[2]:
+
+        def hook(point: str) -> None:
+            if point == fault[0] and trainer.global_step == fault[1]:
+                _kill_job()
+
+        checkpointing.fault_hook = hook
+
+    L.seed_everything(0, verbose=False)
+    setting = by_name(args.setting)
+    model = setting.model()
+    extra = setting.trainer_kwargs()
+    strategy = extra.get("strategy")
+    callbacks = extra.setdefault("callbacks", [])
+    if not isinstance(strategy, FaultTolerantStrategyMixin):
+        callbacks.append(FaultTolerance(step_seeded_rng=True))
+    callbacks += [chaos, ModelCheckpoint(dirpath=args.ckpt_dir, every_n_train_steps=args.every, save_last=True)]
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=args.devices,
+        max_epochs=args.epochs,
+        limit_val_batches=0,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        deterministic=True,
+        **extra,
+    )
+    trainer.fit(model, datamodule=setting.data(), ckpt_path="last")
+    from tests.test_settings_integration import _flat_state
+
+    state = _flat_state(model)
+    torch.save({"state": state, "step": trainer.global_step}, Path(args.out, f"final-{args.launch}-rank{rank}.pt"))
+    return 0
+
+
+# ---- the harness (runs in the test process) -----------------------------------------------------------------
+def launch(
+    setting: str,
+    workdir: Path,
+    launch_id: str,
+    *,
+    fault: tuple[str, int, int] | None = None,
+    sigterm: int | None = None,
+    epochs: int = 3,
+    every: int = 2,
+    devices: int = 2,
+    timeout: float = 600,
+) -> int:
+    """One job; returns its status (``-9`` when a fault killed it)."""
+    cmd = [sys.executable, "-m", "tests.helpers.chaos", "--setting", setting, "--out", str(workdir),
+           "--ckpt-dir", str(workdir / "ckpt"), "--launch", launch_id, "--epochs", str(epochs),
+           "--every", str(every), "--devices", str(devices)]  # fmt: skip
+    if fault is not None:
+        cmd += ["--fault", "@".join(map(str, fault))]
+    if sigterm is not None:
+        cmd += ["--sigterm", str(sigterm)]
+    env = {**os.environ, "PYTHONPATH": str(_REPO), "PYTHONWARNINGS": "ignore"}
+    log = open(workdir / f"log-{launch_id}.txt", "w")
+    proc = subprocess.Popen(cmd, cwd=_REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        rc = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
+    finally:
+        log.close()
+        # Nothing of the job may survive it (a rank left behind would hold the port and the files).
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return rc
+
+
+def schedule(
+    seed: int, kills: int, total_steps: int, every: int, points: tuple[str, ...] = POINTS
+) -> list[tuple[str, int, int]]:
+    """Seeded faults at increasing steps: (point, global step, rank). Save faults fall on checkpoint steps."""
+    rng = random.Random(seed)
+    steps = sorted(rng.sample(range(1, total_steps), kills))
+    faults = []
+    for step in steps:
+        point = rng.choice(points)
+        if point in _SAVE_POINTS:
+            step = max(every, step - step % every)
+            if any(f[1] >= step for f in faults):
+                point = "step"
+                step = max(step, *(f[1] + 1 for f in faults))
+        rank = 0 if point in _SAVE_POINTS else rng.randrange(2)
+        faults.append((point, step, rank))
+    return faults
+
+
+def _final(workdir: Path, launch_id: str) -> list[Any]:
+    import torch
+
+    return [torch.load(workdir / f"final-{launch_id}-rank{r}.pt") for r in range(2)]
+
+
+def run_chaos(
+    setting: str,
+    workdir: Path,
+    *,
+    kills: int = 3,
+    seed: int = 0,
+    epochs: int = 3,
+    steps_per_epoch: int = 3,
+    every: int = 2,
+    faults: list[tuple[str, int, int]] | None = None,
+) -> ChaosResult:
+    """Uninterrupted job, then one job per fault, then a job that finishes; final states compared."""
+    import torch
+
+    t0 = time.perf_counter()
+    ref_dir = workdir / "reference"
+    ref_dir.mkdir(parents=True, exist_ok=True)
+    notes: list[str] = []
+    if launch(setting, ref_dir, "ref", epochs=epochs, every=every) != 0:
+        raise RuntimeError(f"uninterrupted run of {setting} failed: {(ref_dir / 'log-ref.txt').read_text()[-3000:]}")
+    run_dir = workdir / "chaos"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    faults = faults if faults is not None else schedule(seed, kills, epochs * steps_per_epoch, every)
+    rcs, resumed = [], []
+    for i, fault in enumerate([*faults, None]):
+        rc = launch(setting, run_dir, str(i), fault=fault, epochs=epochs, every=every)
+        rcs.append(rc)
+        start = run_dir / f"start-{i}.json"
+        resumed.append(json.loads(start.read_text())["step"] if start.exists() else -1)
+        if fault is not None and rc != -signal.SIGKILL:
+            notes.append(f"fault {fault} did not kill the job (status {rc})")
+    if rcs[-1] != 0:
+        raise RuntimeError(f"final run of {setting} failed: {(run_dir / f'log-{len(faults)}.txt').read_text()[-3000:]}")
+    ref = _final(ref_dir, "ref")
+    out = _final(run_dir, str(len(faults)))
+    identical = all(torch.equal(a["state"], b["state"]) and a["step"] == b["step"] for a, b in zip(ref, out))
+    diff = max(float((a["state"] - b["state"]).abs().max()) for a, b in zip(ref, out))
+    mid = sum(1 for s in resumed[1:] if s > 0 and s % steps_per_epoch)
+    return ChaosResult(setting, list(faults), rcs, resumed, mid, identical, diff, time.perf_counter() - t0, notes)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--setting", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--ckpt-dir", required=True)
+    parser.add_argument("--launch", required=True)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--every", type=int, default=2)
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--fault", default=None)
+    parser.add_argument("--sigterm", type=int, default=None)
+    return _job(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
