@@ -90,6 +90,13 @@ class Preemption:
         done = trainer.fit_loop.epoch_loop.batch_progress.current.processed
         if done % trainer.accumulate_grad_batches:
             return  # mid-accumulation: the gradients of this cycle are in no checkpoint; stop at the boundary
+        # The next batch is fetched already; the checkpoint must read as one saved after the previous batch (what
+        # Lightning's restore expects: it does not rewind the total counter, which seeds step-seeded generators,
+        # and counts one more stepped batch for logging).
+        epoch_loop = trainer.fit_loop.epoch_loop
+        epoch_loop.batch_progress.total.reset_on_restart()
+        epoch_loop.batch_progress.current.reset_on_restart()
+        epoch_loop._batches_that_stepped = max(epoch_loop._batches_that_stepped - 1, 0)
         path = _last_path(trainer)
         trainer.save_checkpoint(path)
         for cb in trainer.checkpoint_callbacks:
