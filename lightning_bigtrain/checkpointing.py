@@ -204,14 +204,17 @@ def _mtime(path: str) -> float:
         return 0.0
 
 
-def latest_checkpoint(dirpath: str | os.PathLike[str], exclude: tuple[str, ...] = ()) -> str | None:
-    """The newest committed checkpoint (``*.ckpt``: file, folder, link or pointer) in ``dirpath``, or None."""
+def latest_checkpoint(
+    dirpath: str | os.PathLike[str], exclude: tuple[str, ...] = (), prefer_prefix: str | None = None
+) -> str | None:
+    """The newest committed checkpoint (``*.ckpt``: file, folder, link or pointer) in ``dirpath``, or None.
+    With ``prefer_prefix``, the newest committed one whose name starts with it, if there is one."""
     dirpath = str(dirpath)
     fs = _fs(dirpath)
     if not fs.exists(dirpath):
         return None
     excluded = {os.path.normpath(_local(e)) for e in exclude}
-    best: tuple[float, str] | None = None
+    best: tuple[bool, float, str] | None = None
     for entry in fs.ls(dirpath, detail=False):
         name = posixpath.basename(entry.rstrip("/"))
         if not name.endswith(_EXTENSION) or _PARTIAL in name or _DATA in name or _LINK in name:
@@ -219,10 +222,10 @@ def latest_checkpoint(dirpath: str | os.PathLike[str], exclude: tuple[str, ...] 
         path = os.path.join(dirpath, name) if _is_local(dirpath) else f"{dirpath.rstrip('/')}/{name}"
         if os.path.normpath(_local(path)) in excluded or not is_committed(path):
             continue
-        stamp = _mtime(path)
-        if best is None or stamp > best[0]:
-            best = (stamp, path)
-    return None if best is None else best[1]
+        key = (prefer_prefix is not None and name.startswith(prefer_prefix), _mtime(path), path)
+        if best is None or key[:2] > best[:2]:
+            best = key
+    return None if best is None else best[2]
 
 
 def load_path(path: str | os.PathLike[str]) -> str:

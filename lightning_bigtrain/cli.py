@@ -1,6 +1,7 @@
 """The ``bigtrain`` command: ``fit | validate | test | predict`` on LightningCLI, and ``demo``.
 
     bigtrain fit --config configs/demo.yaml --trainer.max_steps=20
+    bigtrain fit --config configs/fault_tolerance.yaml --resume auto   # continue a killed or preempted run
     bigtrain demo --output runs/demo
     bigtrain consolidate runs/zero3/checkpoints/last.ckpt model.ckpt
     bigtrain plan --config configs/zero3.yaml --devices 8 --num-nodes 4 --device-memory 80GB
@@ -47,7 +48,10 @@ class BigtrainCLI(LightningCLI):
     """LightningCLI for any LightningModule and LightningDataModule (``class_path`` in the config).
 
     Checks the strategy name before the Trainer is built, so a typo gets a suggestion rather than a
-    stack trace.
+    stack trace. ``--resume auto`` (every subcommand accepts it; ``fit`` uses it) resumes from the newest
+    committed checkpoint of the run's ``ModelCheckpoint`` folder, or starts fresh when there is none; an
+    explicit ``--ckpt_path`` wins. A preempted run (SIGTERM/SIGUSR1) exits with status 75 after its
+    checkpoint is committed: relaunch the same command.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -61,6 +65,22 @@ class BigtrainCLI(LightningCLI):
         )  # fmt: skip
         super().__init__(*args, **kwargs)
 
+    def add_arguments_to_parser(self, parser: Any) -> None:
+        parser.add_argument(
+            "--resume",
+            choices=["auto", "never"],
+            default="never",
+            help="auto: continue from the newest committed checkpoint in the ModelCheckpoint folder (set its "
+            "dirpath: a logger's new version folder per launch would hold none), or start fresh if there is none.",
+        )
+
+    def _prepare_subcommand_kwargs(self, subcommand: str) -> dict[str, Any]:
+        kwargs = super()._prepare_subcommand_kwargs(subcommand)
+        config = self.config.get(subcommand, self.config)
+        if subcommand == "fit" and config.get("resume") == "auto" and kwargs.get("ckpt_path") is None:
+            kwargs["ckpt_path"] = resume_path(self.trainer)
+        return kwargs
+
     def before_instantiate_classes(self) -> None:
         config = self.config.get(str(self.subcommand), self.config) if self.subcommand else self.config
         strategy = config.get("trainer", {}).get("strategy")
@@ -68,6 +88,19 @@ class BigtrainCLI(LightningCLI):
             message = check_strategy_name(strategy)
             if message is not None:
                 self.parser.error(message)
+
+
+def resume_path(trainer: Any) -> str | None:
+    """What ``--resume auto`` resumes from: the newest committed ``last*.ckpt`` (or, without one, the newest
+    committed checkpoint) in the ModelCheckpoint folder; ``"last"`` (Lightning's own lookup, which starts fresh
+    with a warning when there is nothing) when the folder is only known once the run starts."""
+    from lightning_bigtrain.checkpointing import latest_checkpoint
+
+    callback = trainer.checkpoint_callback
+    dirpath = getattr(callback, "dirpath", None)
+    if dirpath is None:
+        return "last"
+    return latest_checkpoint(dirpath, prefer_prefix="last") or None
 
 
 def main(argv: list[str] | None = None) -> None:

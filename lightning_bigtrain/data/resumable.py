@@ -83,37 +83,33 @@ class ResumableDistributedSampler(DistributedSampler):
             return torch.randperm(len(self.dataset), generator=g).tolist()  # type: ignore[arg-type]
         return list(range(len(self.dataset)))  # type: ignore[arg-type]
 
-    def _padded(self, indices: list[int], multiple: int) -> list[int]:
-        """Pad (repeating from the start) or cut to a multiple of ``multiple``, as DistributedSampler does."""
+    def _partition(self, indices: list[int], start: int, multiple: int) -> list[int]:
+        """``indices[start:]`` made a multiple of ``multiple`` long as DistributedSampler makes its list: cut
+        (``drop_last``) or padded with indices from the start of the epoch's list."""
+        rest = indices[start:]
         if self.drop_last:
-            return indices[: len(indices) - len(indices) % multiple]
-        padding = (-len(indices)) % multiple
+            return rest[: len(rest) - len(rest) % multiple]
+        padding = (-len(rest)) % multiple
         while padding > 0:
             take = indices[: min(padding, len(indices))]
-            indices = indices + take
+            rest = rest + take
             padding -= len(take)
-        return indices
+        return rest
 
     def _remaining(self, cursor: int) -> list[int]:
-        """The indices not consumed yet, padded for this world size."""
+        """The indices not consumed yet, for this world size. At the world size the cursor was counted at,
+        this is DistributedSampler's padded list from ``cursor`` on (``cursor`` is a multiple of it)."""
         indices = self._epoch_indices()
-        if cursor <= len(indices):
-            rest = indices[cursor:]
-        else:  # the padding of a previous world size was being consumed: the epoch's samples are all seen
-            rest = []
-        if not rest:
+        if cursor >= len(indices):  # only the padding of a previous world size was left: the epoch is done
             return []
-        return self._padded(rest, self.num_replicas)
+        return self._partition(indices, cursor, self.num_replicas)
 
     # ---- Sampler interface -----------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Any]:
         cursor, counted = self._resume if self._resume is not None else (0, 0)
         self._resume = None
         self._active = (cursor, counted)
-        if cursor == 0:
-            own = self._padded(self._epoch_indices(), self.num_replicas)[self.rank :: self.num_replicas]
-        else:
-            own = self._remaining(cursor)[self.rank :: self.num_replicas]
+        own = self._remaining(cursor)[self.rank :: self.num_replicas]
         if self._index_map is not None:
             lookup = self._index_map()
             return iter([lookup(i) for i in own])

@@ -21,6 +21,7 @@ uninterrupted run's (``torch.equal``). Checkpoints are taken every ``every`` ste
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -139,6 +140,52 @@ def _job(args: argparse.Namespace) -> int:
     return 0
 
 
+def _data_job(args: argparse.Namespace) -> int:
+    """A fit that records which samples each rank trains on, stopped after ``max_steps`` (a checkpoint every
+    step), on ``devices`` ranks: the world-size-change test runs it 2 -> 1 -> 2 ranks within one epoch."""
+    import lightning as L
+    import torch
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from torch.utils.data import DataLoader
+
+    from lightning_bigtrain.callbacks import FaultTolerance
+
+    class Seen(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(1, 1)
+
+        def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            with open(Path(args.out, f"seen-{args.launch}-rank{self.global_rank}.txt"), "a") as f:
+                f.write(f"{self.current_epoch} {' '.join(str(int(i)) for i in batch)}\n")
+            return self.layer(batch.float()[:, None]).pow(2).mean()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+        def train_dataloader(self) -> DataLoader:
+            return DataLoader(list(range(args.samples)), batch_size=4, shuffle=True)
+
+    L.seed_everything(0, verbose=False)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=args.devices, strategy="ddp", max_epochs=args.epochs, max_steps=args.max_steps,
+        logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        callbacks=[FaultTolerance(), ModelCheckpoint(dirpath=args.ckpt_dir, every_n_train_steps=1, save_last=True)],
+    )  # fmt: skip
+    trainer.fit(Seen(), ckpt_path="last")
+    return 0
+
+
+def seen_samples(workdir: Path) -> dict[int, list[int]]:
+    """Samples trained on per epoch, over every launch and rank of :func:`_data_job`."""
+    seen: dict[int, list[int]] = {}
+    for path in sorted(workdir.glob("seen-*.txt")):
+        for line in path.read_text().splitlines():
+            epoch, *indices = map(int, line.split())
+            seen.setdefault(epoch, []).extend(indices)
+    return seen
+
+
 # ---- the harness (runs in the test process) -----------------------------------------------------------------
 def launch(
     setting: str,
@@ -151,9 +198,10 @@ def launch(
     every: int = 2,
     devices: int = 2,
     timeout: float = 600,
+    extra: tuple[str, ...] = (),
 ) -> int:
     """One job; returns its status (``-9`` when a fault killed it)."""
-    cmd = [sys.executable, "-m", "tests.helpers.chaos", "--setting", setting, "--out", str(workdir),
+    cmd = [sys.executable, "-m", "tests.helpers.chaos", *extra, "--setting", setting, "--out", str(workdir),
            "--ckpt-dir", str(workdir / "ckpt"), "--launch", launch_id, "--epochs", str(epochs),
            "--every", str(every), "--devices", str(devices)]  # fmt: skip
     if fault is not None:
@@ -161,22 +209,15 @@ def launch(
     if sigterm is not None:
         cmd += ["--sigterm", str(sigterm)]
     env = {**os.environ, "PYTHONPATH": str(_REPO), "PYTHONWARNINGS": "ignore"}
-    log = open(workdir / f"log-{launch_id}.txt", "w")
-    proc = subprocess.Popen(cmd, cwd=_REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        rc = proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        raise
-    finally:
-        log.close()
-        # Nothing of the job may survive it (a rank left behind would hold the port and the files).
+    with open(workdir / f"log-{launch_id}.txt", "w") as log:
+        proc = subprocess.Popen(cmd, cwd=_REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    return rc
+            return proc.wait(timeout=timeout)
+        finally:
+            # Nothing of the job may survive it (a rank left behind would hold the port and the files).
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 def schedule(
@@ -239,8 +280,9 @@ def run_chaos(
         raise RuntimeError(f"final run of {setting} failed: {(run_dir / f'log-{len(faults)}.txt').read_text()[-3000:]}")
     ref = _final(ref_dir, "ref")
     out = _final(run_dir, str(len(faults)))
-    identical = all(torch.equal(a["state"], b["state"]) and a["step"] == b["step"] for a, b in zip(ref, out))
-    diff = max(float((a["state"] - b["state"]).abs().max()) for a, b in zip(ref, out))
+    pairs = list(zip(ref, out, strict=True))
+    identical = all(torch.equal(a["state"], b["state"]) and a["step"] == b["step"] for a, b in pairs)
+    diff = max(float((a["state"] - b["state"]).abs().max()) for a, b in pairs)
     mid = sum(1 for s in resumed[1:] if s > 0 and s % steps_per_epoch)
     return ChaosResult(setting, list(faults), rcs, resumed, mid, identical, diff, time.perf_counter() - t0, notes)
 
@@ -256,7 +298,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--fault", default=None)
     parser.add_argument("--sigterm", type=int, default=None)
-    return _job(parser.parse_args(argv))
+    parser.add_argument("--data-job", action="store_true", help="record the samples seen (world-size test)")
+    parser.add_argument("--samples", type=int, default=50)
+    parser.add_argument("--max-steps", type=int, default=-1)
+    args = parser.parse_args(argv)
+    return _data_job(args) if args.data_job else _job(args)
 
 
 if __name__ == "__main__":

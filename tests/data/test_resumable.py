@@ -1,0 +1,148 @@
+"""ResumableDistributedSampler: DistributedSampler's order, exact continuation, re-partition at another world size."""
+
+from __future__ import annotations
+
+from collections import Counter
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
+
+from lightning_bigtrain.data.resumable import ResumableDistributedSampler, is_stateful_loader, make_resumable
+
+
+def _ranks(n: int, world: int, cls: type = ResumableDistributedSampler, **kw) -> list:
+    return [cls(list(range(n)), num_replicas=world, rank=r, **kw) for r in range(world)]
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+@pytest.mark.parametrize("drop_last", [True, False])
+@pytest.mark.parametrize(("n", "world"), [(10, 2), (11, 2), (13, 3), (5, 1)])
+def test_same_order_as_distributed_sampler(shuffle, drop_last, n, world):
+    ours = _ranks(n, world, shuffle=shuffle, drop_last=drop_last, seed=7)
+    torch_ = _ranks(n, world, DistributedSampler, shuffle=shuffle, drop_last=drop_last, seed=7)
+    for a, b in zip(ours, torch_):
+        a.set_epoch(3)
+        b.set_epoch(3)
+        assert list(a) == list(b)
+        assert len(a) == len(b)
+
+
+@pytest.mark.parametrize("consumed_per_rank", [0, 4, 8, 12])
+def test_resume_at_the_same_world_size_continues_exactly(consumed_per_rank):
+    n, world = 27, 2
+    reference = _ranks(n, world, seed=1)
+    for s in reference:
+        s.set_epoch(2)
+    for rank, sampler in enumerate(_ranks(n, world, seed=1)):
+        cursor = consumed_per_rank * world
+        sampler.resume(2, cursor, counted=consumed_per_rank)
+        assert len(sampler) == len(reference[rank])  # the loop's epoch length is unchanged
+        assert list(sampler) == list(reference[rank])[consumed_per_rank:]
+        assert sampler.cursor(consumed_per_rank) == cursor
+
+
+def _consume(samplers: list, batches: int, batch: int) -> list[int]:
+    """Draw ``batches`` batches of ``batch`` from every rank (as lockstep ranks do)."""
+    seen = []
+    for s in samplers:
+        seen += list(s)[: batches * batch]
+    return seen
+
+
+@pytest.mark.parametrize("n", [50, 51, 53])
+def test_world_size_2_1_2_sees_every_sample_once(n):
+    """2 ranks take 3 batches, 1 rank takes 3 more, 2 ranks finish the epoch: every sample once, duplicates only
+    the padding of the last partition (fewer than the world size)."""
+    batch, epoch = 4, 5
+    first = _ranks(n, 2, seed=3)
+    for s in first:
+        s.set_epoch(epoch)
+    seen = _consume(first, 3, batch)
+    cursor = first[0].cursor(3 * batch)
+    assert cursor == 24
+
+    (single,) = _ranks(n, 1, seed=3)
+    single.resume(epoch, cursor, counted=3 * batch)
+    seen += _consume([single], 3, batch)
+    cursor = single.cursor(6 * batch)
+    assert cursor == 36
+
+    last = _ranks(n, 2, seed=3)
+    for s in last:
+        s.resume(epoch, cursor, counted=6 * batch)
+        assert len(s) == 6 * batch + -(-(n - 36) // 2)
+    seen += [i for s in last for i in s]
+    counts = Counter(seen)
+    assert set(counts) == set(range(n))
+    assert sum(counts.values()) - n == (n - 36) % 2  # the padding only
+
+
+def test_a_new_epoch_after_a_resumed_one_starts_from_its_beginning():
+    (s,) = _ranks(12, 1, seed=0)
+    s.resume(0, 8, counted=8)
+    assert len(list(s)) == 4
+    s.set_epoch(1)
+    (fresh,) = _ranks(12, 1, seed=0)
+    fresh.set_epoch(1)
+    assert list(s) == list(fresh) and len(s) == 12
+
+
+def test_bad_resume_position_is_refused():
+    (s,) = _ranks(4, 1)
+    with pytest.raises(ValueError, match=r"resume\(cursor=-1"):
+        s.resume(0, -1, 0)
+
+
+def _trainer(processed: int) -> SimpleNamespace:
+    """The fit loop's consumed-batch counter, which the loader's state reads (set by hand here)."""
+    progress = SimpleNamespace(current=SimpleNamespace(processed=processed))
+    return SimpleNamespace(fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=progress),
+                                                    _combined_loader=None), limit_train_batches=1.0)  # fmt: skip
+
+
+def test_make_resumable_saves_and_restores_the_cursor_of_a_wrapped_user_sampler():
+    from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
+
+    data = list(range(40))
+
+    def user() -> RandomSampler:  # each rank's own copy of the user's seeded sampler
+        return RandomSampler(data, generator=torch.Generator().manual_seed(5))
+
+    loaders = [DataLoader(data, batch_size=4, sampler=DistributedSamplerWrapper(user(), num_replicas=2, rank=r,
+                                                                                seed=0)) for r in range(2)]  # fmt: skip
+    trainer = _trainer(0)
+    made = [make_resumable(dl, lambda: trainer) for dl in loaders]
+    assert all(is_stateful_loader(m) for m in made) and not any(is_stateful_loader(dl) for dl in loaders)
+    reference = [[int(x) for b in DataLoader(data, batch_size=4, sampler=DistributedSamplerWrapper(
+        user(), num_replicas=2, rank=r, seed=0)) for x in b] for r in range(2)]  # fmt: skip
+    assert [[int(x) for b in m for x in b] for m in made] == reference
+    trainer.fit_loop.epoch_loop.batch_progress.current.processed = 2
+    state = made[0].state_dict()
+    assert state["cursor"] == 16 and state["epoch"] == 0
+    resumed = make_resumable(DataLoader(data, batch_size=4, sampler=DistributedSamplerWrapper(
+        user(), num_replicas=2, rank=1, seed=0)), lambda: trainer)  # fmt: skip
+    resumed.load_state_dict(state)
+    assert [int(x) for b in resumed for x in b] == reference[1][8:]
+
+
+def test_a_stateful_or_unsampled_loader_is_left_alone():
+    data = list(range(8))
+    plain = DataLoader(data, batch_size=2)
+    assert make_resumable(plain, lambda: None) is plain
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    stateful = StatefulDataLoader(data, batch_size=2, sampler=DistributedSampler(data, num_replicas=2, rank=0))
+    assert make_resumable(stateful, lambda: None) is stateful
+
+
+def test_a_state_for_another_dataset_is_refused():
+    data = list(range(20))
+    trainer = _trainer(1)
+    loader = make_resumable(DataLoader(data, batch_size=2, sampler=DistributedSampler(data, 2, 0)), lambda: trainer)
+    state = loader.state_dict()
+    other = make_resumable(DataLoader(data[:10], batch_size=2, sampler=DistributedSampler(data[:10], 2, 0)),
+                           lambda: trainer)  # fmt: skip
+    with pytest.raises(ValueError, match="dataset of 20 samples"):
+        other.load_state_dict(state)
