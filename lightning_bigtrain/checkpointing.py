@@ -34,6 +34,7 @@ from lightning_bigtrain.warnings import BigtrainWarning, warn_once
 
 __all__ = [
     "COMMIT_MARKER",
+    "AsyncCommits",
     "AtomicCheckpointIO",
     "CheckpointDamagedWarning",
     "atomic_folder_save",
@@ -250,7 +251,7 @@ def load_path(path: str | os.PathLike[str]) -> str:
 
 
 # ---- writing -----------------------------------------------------------------------------------------------
-def _clear_stale(path: str) -> None:
+def clear_stale(path: str) -> None:
     """Remove what killed saves of ``path`` left behind: partial folders/files and data no link names."""
     fs = _fs(path)
     parent = os.path.dirname(_local(path)) if _is_local(path) else posixpath.dirname(path.rstrip("/"))
@@ -345,13 +346,54 @@ def atomic_folder_save(strategy: Any, filepath: Any, write: Callable[[str], None
     save_id = strategy.broadcast(new_id())
     staging = staging_path(location, save_id)
     if strategy.is_global_zero:
-        _clear_stale(location)
+        clear_stale(location)
     strategy.barrier()
     write(staging)
     strategy.barrier()
     if strategy.is_global_zero:
         commit(location, staging, folder=True)
     strategy.barrier()
+
+
+class AsyncCommits:
+    """Folder saves whose shards are still being written in the background (``dcp.async_save``): each is
+    committed by rank 0 once its write has finished on every rank, in the order they were started; removals of
+    older checkpoints asked for meanwhile wait until then (a checkpoint is deleted only after a newer one is
+    committed). A job killed before a commit resumes from the previous committed checkpoint."""
+
+    def __init__(self) -> None:
+        self._pending: list[tuple[str, str, Any]] = []  # (name, staging, future)
+        self._removals: list[str] = []
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def add(self, location: str, staging: str, future: Any) -> None:
+        self._pending.append((location, staging, future))
+
+    def defer_removal(self, path: str) -> bool:
+        """Queue ``path`` for removal after the pending commits; False when nothing is pending."""
+        if not self._pending:
+            return False
+        self._removals.append(path)
+        return True
+
+    def poll(self, is_global_zero: bool, block: bool = False) -> None:
+        """Commit the finished saves (all of them with ``block``), oldest first.
+
+        On rank 0 a finished future means every rank's shards are written: DCP's coordinator finishes a save
+        only after gathering every rank's write results. Local, no collective.
+        """
+        while self._pending and (block or self._pending[0][2].done()):
+            location, staging, future = self._pending.pop(0)
+            future.result()  # a failed write raises here, and the checkpoint is not committed
+            if is_global_zero:
+                commit(location, staging, folder=True)
+        if not self._pending:
+            removals, self._removals = self._removals, []
+            if is_global_zero:
+                for path in removals:
+                    remove_checkpoint(path)
 
 
 def _io_base() -> type:
@@ -375,7 +417,7 @@ class AtomicCheckpointIO(_io_base()):  # type: ignore[misc]
             super().save_checkpoint(checkpoint, path, storage_options)  # an object appears whole, when uploaded
             return
         os.makedirs(os.path.dirname(os.path.abspath(_local(path))), exist_ok=True)
-        _clear_stale(path)
+        clear_stale(path)
         staging = staging_path(path, new_id())
         super().save_checkpoint(checkpoint, staging, storage_options)
         commit(path, staging, folder=False)

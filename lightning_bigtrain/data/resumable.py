@@ -178,9 +178,9 @@ def make_resumable(dataloader: object, trainer_ref: Callable[[], Any]) -> object
         return dataloader
     assert isinstance(sampler, DistributedSampler)
     index_map = None
-    dataset = sampler.dataset
+    dataset: Any = sampler.dataset
     if _is_sampler_wrapper(sampler):
-        wrapped = sampler.dataset  # Lightning's _DatasetSamplerWrapper over the user's sampler
+        wrapped: Any = sampler.dataset  # Lightning's _DatasetSamplerWrapper over the user's sampler
 
         def index_map() -> Callable[[int], Any]:
             wrapped.reset()
@@ -227,9 +227,9 @@ def make_resumable(dataloader: object, trainer_ref: Callable[[], Any]) -> object
         resumable.resume(int(state["epoch"]), int(state["cursor"]), counted)
         _refresh_limit(trainer, loader)
 
-    loader.state_dict = state_dict  # type: ignore[method-assign]
-    loader.load_state_dict = load_state_dict  # type: ignore[attr-defined]
-    loader._bigtrain_resumable = True  # type: ignore[attr-defined]
+    loader.state_dict = state_dict
+    loader.load_state_dict = load_state_dict
+    loader._bigtrain_resumable = True
     return loader
 
 
@@ -262,7 +262,7 @@ def _refresh_limit(trainer: Any, loader: object) -> None:
     limits = list(combined.limits)
     for i, candidate in enumerate(combined.flattened):
         if candidate is loader:
-            limits[i] = _parse_num_batches(RunningStage.TRAINING, len(loader), trainer.limit_train_batches)  # type: ignore[arg-type]
+            limits[i] = _parse_num_batches(RunningStage.TRAINING, len(loader), trainer.limit_train_batches)
     combined.limits = limits
 
 

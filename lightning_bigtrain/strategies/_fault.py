@@ -9,7 +9,7 @@ import os
 import signal
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import lightning as L
 import torch
@@ -61,6 +61,7 @@ class Preemption:
         """Replace the handlers (Lightning's own SIGTERM handler included) for the duration of training."""
         if threading.current_thread() is not threading.main_thread() or self._previous:
             return
+        self.received = None
         for name in self.signals:
             num = getattr(signal, name)
             self._previous[num] = signal.getsignal(num)
@@ -87,7 +88,7 @@ class Preemption:
             return
         if not self._agreed(trainer):
             return
-        done = trainer.fit_loop.epoch_loop.batch_progress.current.processed
+        done = _processed(trainer)
         if done % trainer.accumulate_grad_batches:
             return  # mid-accumulation: the gradients of this cycle are in no checkpoint; stop at the boundary
         # The next batch is fetched already; the checkpoint must read as one saved after the previous batch (what
@@ -103,6 +104,11 @@ class Preemption:
             if hasattr(cb, "last_model_path"):
                 cb.last_model_path = path
         raise Preempted(path)
+
+
+def _processed(trainer: L.Trainer) -> int:
+    """Training batches of this epoch the fit loop has finished processing."""
+    return int(trainer.fit_loop.epoch_loop.batch_progress.current.processed)  # type: ignore[attr-defined]
 
 
 def _last_path(trainer: L.Trainer) -> str:
@@ -123,10 +129,12 @@ class FaultTolerantStrategyMixin:
 
     def _init_fault_tolerance(self) -> None:
         if getattr(self, "_checkpoint_io", None) is None:
-            self._checkpoint_io = AtomicCheckpointIO()
+            cast(Any, self).checkpoint_io = AtomicCheckpointIO()  # the Strategy's property setter
         self._preemption = Preemption()
 
     def process_dataloader(self, dataloader: object) -> object:
+        # Validation loaders built during fit get the resumable sampler too: without a resume position it
+        # draws DistributedSampler's order, and Lightning saves and restores the training loader's state only.
         dataloader = super().process_dataloader(dataloader)  # type: ignore[misc]
         trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
         if trainer is None or not trainer.training:

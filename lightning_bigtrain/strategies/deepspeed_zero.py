@@ -465,7 +465,7 @@ class DeepSpeedZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, DeepSpeedStr
         atomic_folder_save(self, filepath, lambda staging: save(checkpoint, staging, storage_options))
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        location = self.broadcast(load_path(str(checkpoint_path)) if self.is_global_zero else None)
+        location = str(self.broadcast(load_path(str(checkpoint_path)) if self.is_global_zero else None))
         checkpoint = super().load_checkpoint(location, weights_only)
         self._restore_rng_state(checkpoint)
         return checkpoint

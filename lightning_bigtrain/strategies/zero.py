@@ -19,7 +19,14 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 
-from lightning_bigtrain.checkpointing import atomic_folder_save, load_path
+from lightning_bigtrain.checkpointing import (
+    AsyncCommits,
+    atomic_folder_save,
+    clear_stale,
+    load_path,
+    new_id,
+    staging_path,
+)
 from lightning_bigtrain.functional.compression import Cast, Compressor, GradientCompression
 from lightning_bigtrain.functional.flat_shard import FlatShardedOptimizer
 from lightning_bigtrain.functional.memory import model_state_bytes
@@ -72,6 +79,11 @@ class ZeroOptions:
             Jupyter kernel; ``"auto"`` picks ``"fork"`` in interactive sessions, else ``"popen"``.
         process_group_backend: ``"gloo"`` or ``"nccl"``; by default chosen from the device.
         timeout: Collective timeout.
+        async_checkpoint: Write sharded checkpoints in the background (``torch.distributed.checkpoint.
+            async_save`` over a separate gloo group): the save copies this rank's shards to host memory and
+            returns; the folder is committed (and older checkpoints removed) once every rank has written it,
+            checked at each batch start and at the end of training. One save is in flight at a time (the next
+            one waits for it), and a preemption checkpoint is written synchronously.
     """
 
     save_distributed_checkpoint: bool = True
@@ -80,6 +92,7 @@ class ZeroOptions:
     start_method: StartMethod = "auto"
     process_group_backend: str | None = None
     timeout: timedelta | None = default_pg_timeout
+    async_checkpoint: bool = False
 
     def __post_init__(self) -> None:
         if self.start_method not in get_args(StartMethod):
@@ -248,6 +261,8 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         self._logged_comm_bytes = 0
         self.memory: dict[str, int] = {}
         self._init_fault_tolerance()
+        self._async_commits = AsyncCommits()
+        self._checkpoint_group: Any = None
 
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
@@ -389,8 +404,52 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
             raise TypeError("`ZeroStrategy.save_checkpoint(..., storage_options=...)` is not supported.")
         if not self._save_distributed_checkpoint:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
+        self._async_commits.poll(self.is_global_zero, block=True)  # one save in flight at a time
+        if self.options.async_checkpoint and not self._preempting():
+            self._save_shards_async(checkpoint, filepath)
+            return None
         atomic_folder_save(self, filepath, lambda staging: self._save_shards(checkpoint, staging))
         return None
+
+    def _preempting(self) -> bool:
+        return self._preemption is not None and self._preemption.received is not None
+
+    def _save_shards_async(self, checkpoint: dict[str, Any], filepath: Any) -> None:
+        """Stage the shards in host memory and write them in the background; committed by ``_async_commits``."""
+        import fsspec
+        import torch.distributed.checkpoint as dcp
+        from lightning.fabric.utilities.load import _METADATA_FILENAME
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+        location = str(self.broadcast(str(filepath)))
+        staging = staging_path(location, self.broadcast(new_id()))
+        if self.is_global_zero:
+            clear_stale(location)
+            fs = fsspec.url_to_fs(staging)[0]
+            fs.makedirs(staging, exist_ok=True)
+            with fsspec.open(f"{staging.rstrip('/')}/{_METADATA_FILENAME}", "wb") as f:
+                torch.save({k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}, f)
+        self.barrier()
+        shards = {"state_dict": checkpoint.pop("state_dict")}
+        for i, optimizer_state in enumerate(checkpoint.pop("optimizer_states", [])):
+            shards[f"optimizer_{i}"] = optimizer_state
+        writer = FsspecWriter(staging) if _is_url(staging) else dcp.FileSystemWriter(staging)
+        if self._checkpoint_group is None:
+            self._checkpoint_group = torch.distributed.new_group(backend="gloo")
+        future = dcp.async_save(shards, storage_writer=writer, process_group=self._checkpoint_group)
+        self._async_commits.add(location, staging, future)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._async_commits.poll(self.is_global_zero)
+        super().on_train_batch_start(batch, batch_idx)
+
+    def on_train_end(self) -> None:
+        self._async_commits.poll(self.is_global_zero, block=True)
+        super().on_train_end()
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if not self._async_commits.defer_removal(str(filepath)):
+            super().remove_checkpoint(filepath)
 
     def _save_shards(self, checkpoint: dict[str, Any], location: str) -> None:
         if not _is_url(location):
@@ -456,6 +515,7 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
             return torch.load(f, weights_only=bool(weights_only))
 
     def teardown(self) -> None:
+        self._async_commits.poll(self.is_global_zero, block=True)
         if self._compression is not None:
             self._compression.close()
         super().teardown()

@@ -221,22 +221,39 @@ def launch(
 
 
 def schedule(
-    seed: int, kills: int, total_steps: int, every: int, points: tuple[str, ...] = POINTS
+    seed: int,
+    kills: int,
+    total_steps: int,
+    every: int,
+    steps_per_epoch: int = 3,
+    points: tuple[str, ...] = POINTS,
 ) -> list[tuple[str, int, int]]:
-    """Seeded faults at increasing steps: (point, global step, rank). Save faults fall on checkpoint steps."""
-    rng = random.Random(seed)
-    steps = sorted(rng.sample(range(1, total_steps), kills))
-    faults = []
-    for step in steps:
-        point = rng.choice(points)
-        if point in _SAVE_POINTS:
-            step = max(every, step - step % every)
-            if any(f[1] >= step for f in faults):
-                point = "step"
-                step = max(step, *(f[1] + 1 for f in faults))
-        rank = 0 if point in _SAVE_POINTS else rng.randrange(2)
-        faults.append((point, step, rank))
-    return faults
+    """Seeded faults at increasing steps: (point, global step, rank). Save faults fall on checkpoint steps, and at
+    least one fault makes the next job resume from a mid-epoch checkpoint (the seed is advanced until one does)."""
+    for attempt in range(100):
+        rng = random.Random(seed * 100 + attempt)
+        faults: list[tuple[str, int, int]] = []
+        for step in sorted(rng.sample(range(1, total_steps), kills)):
+            point = rng.choice(points)
+            if point in _SAVE_POINTS:
+                step = max(every, step - step % every)
+                if any(f[1] >= step for f in faults):
+                    point = "step"
+                    step = max(step, *(f[1] + 1 for f in faults))
+            rank = 0 if point in _SAVE_POINTS else rng.randrange(2)
+            faults.append((point, step, rank))
+        resumes = [_resumes_from(f, every) for f in faults]
+        if any(r > 0 and r % steps_per_epoch for r in resumes):
+            return faults
+    raise ValueError(f"no schedule of {kills} faults in {total_steps} steps resumes mid-epoch")
+
+
+def _resumes_from(fault: tuple[str, int, int], every: int) -> int:
+    """The step of ``last.ckpt`` after ``fault`` (the save's first file is committed before ``last.ckpt``)."""
+    point, step, _ = fault
+    if point in _SAVE_POINTS:
+        return step - every
+    return step - step % every
 
 
 def _final(workdir: Path, launch_id: str) -> list[Any]:
@@ -267,7 +284,7 @@ def run_chaos(
         raise RuntimeError(f"uninterrupted run of {setting} failed: {(ref_dir / 'log-ref.txt').read_text()[-3000:]}")
     run_dir = workdir / "chaos"
     run_dir.mkdir(parents=True, exist_ok=True)
-    faults = faults if faults is not None else schedule(seed, kills, epochs * steps_per_epoch, every)
+    faults = faults if faults is not None else schedule(seed, kills, epochs * steps_per_epoch, every, steps_per_epoch)
     rcs, resumed = [], []
     for i, fault in enumerate([*faults, None]):
         rc = launch(setting, run_dir, str(i), fault=fault, epochs=epochs, every=every)

@@ -194,6 +194,10 @@ SETTINGS: tuple[Setting, ...] = (
         ),
     ),
     Setting(name="zero2_cnn", model=_tiny_cnn, data=_tiny_fashion, trainer_kwargs=_zero(2)),
+    # Sharded checkpoints written in the background and committed once every rank has written them.
+    Setting(name="zero3_async_gpt", model=_tiny_gpt_dropout, data=_tiny_shakespeare,
+            trainer_kwargs=lambda: {"strategy": ZeroStrategy(stage=3, min_wrap_params=1000,
+                                                             options=ZeroOptions(async_checkpoint=True))}),
     # Pure bf16 with compensated steps. Resume is exact: the Kahan buffers are optimizer state, and the
     # stochastic rounding draws depend only on (seed, step), both checkpointed.
     Setting(

@@ -1,0 +1,152 @@
+"""Crash consistency under every settings row, and what checkpointing costs (sync vs async).
+
+    python -m benchmarks.chaos [--quick] [--parts matrix overhead] [--rows ROW ...] [--kills N] [--seed S]
+
+``matrix``: for every row of the settings table (``tests/helpers/settings.py``: DDP, ZeRO 1/2/3, DeepSpeed 2/3,
+compressed DDP and ZeRO-1, bf16 Kahan/stochastic, distillation, magnitude and structured pruning) the chaos
+harness (``tests/helpers/chaos.py``) runs the uninterrupted 2-rank fit, then ``kills`` jobs each SIGKILLed as a
+whole at a seeded fault point (inside a step, at a batch start, inside a checkpoint save before its commit,
+right after a commit), then a job that finishes; checkpoints are Lightning's ``ModelCheckpoint(
+every_n_train_steps=2, save_last=True)``, mid-epoch (3 steps per epoch), every job started with
+``ckpt_path="last"``. A row passes when every fault killed its job and the final parameters and buffers of every
+rank equal the uninterrupted run's bit for bit.
+
+``overhead``: see :mod:`benchmarks.chaos_overhead`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import RESULTS_DIR, print_table, write_results
+
+
+def matrix(rows: list[str], kills: int, seed: int) -> list[dict[str, Any]]:
+    from tests.helpers.chaos import run_chaos
+
+    out = []
+    for i, name in enumerate(rows):
+        with tempfile.TemporaryDirectory() as tmp:
+            try:
+                r = run_chaos(name, Path(tmp), kills=kills, seed=seed + i)
+                row = {
+                    "row": name,
+                    "faults": " ".join(f"{p}@{s}/r{k}" for p, s, k in r.faults),
+                    "kills": len(r.faults),
+                    "kills survived": r.kills_survived,
+                    "mid-epoch resumes": r.mid_epoch_resumes,
+                    "identical": r.identical,
+                    "max abs diff": r.max_abs_diff,
+                    "seconds": r.seconds,
+                    "notes": "; ".join(r.notes),
+                }
+            except Exception as err:  # a row that fails is reported, and the others still run
+                row = {"row": name, "kills": kills, "kills survived": 0, "identical": False,
+                       "notes": f"{type(err).__name__}: {str(err)[-400:]}"}  # fmt: skip
+        print(f"{name}: {row}", flush=True)
+        out.append(row)
+    return out
+
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+_BEGIN, _END = "<!-- chaos-figures:begin -->", "<!-- chaos-figures:end -->"
+
+
+def render(results: dict[str, Any]) -> str:
+    """The README's crash-consistency figures, from ``results/chaos.json`` (never typed by hand)."""
+    lines = [_BEGIN, f"Measured {results['machine']['time'][:10]} (`{results['command']}`, "
+                     f"`benchmarks/results/chaos.json`).", ""]  # fmt: skip
+    if "matrix" in results:
+        rows = results["matrix"]["rows"]
+        lines += ["| settings row | faults (point@step/rank) | kills survived | mid-epoch resumes | bit-identical |",
+                  "|---|---|---|---|---|"]  # fmt: skip
+        for r in rows:
+            survived = f"{r.get('kills survived', 0)}/{r.get('kills', 0)}"
+            same = "yes" if r.get("identical") else "**no**"
+            lines.append(f"| {r['row']} | {r.get('faults', r.get('notes', ''))} | {survived} | "
+                         f"{r.get('mid-epoch resumes', '')} | {same} |")  # fmt: skip
+        lines.append("")
+    if "overhead" in results:
+        o = results["overhead"]
+        lines.append(f"Checkpoint every {o['every']} steps, ZeRO-3 char-GPT {o['psi'] / 1e6:.1f}M parameters, "
+                     f"2 CPU ranks: step time **{o['sync_ratio']:.3f}x** with synchronous saves and "
+                     f"**{o['async_ratio']:.3f}x** with `async_checkpoint=True`, against no checkpoints.")  # fmt: skip
+    lines.append(_END)
+    return "\n".join(lines)
+
+
+def render_readme(results_path: Path = RESULTS_DIR / "chaos.json", readme: Path = README) -> bool:
+    """Replace the README's figures block; True when it changed."""
+    import json
+
+    text = readme.read_text()
+    start, end = text.index(_BEGIN), text.index(_END) + len(_END)
+    new = text[:start] + render(json.loads(results_path.read_text())) + text[end:]
+    readme.write_text(new)
+    return new != text
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="two rows, two kills each")
+    parser.add_argument("--parts", nargs="+", default=["matrix", "overhead"], choices=["matrix", "overhead"])
+    parser.add_argument("--rows", nargs="+", default=None, help="settings rows (default: all)")
+    parser.add_argument("--kills", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=3, help="overhead: alternating rounds")
+    parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--render", action="store_true", help="only re-render the README block from the results")
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the other part's figures from the existing results file")  # fmt: skip
+    args = parser.parse_args(argv)
+    if args.render:
+        render_readme(args.results_dir / "chaos.json")
+        return 0
+    from tests.helpers.settings import SETTINGS
+
+    payload: dict[str, Any] = {"command": " ".join(["python -m benchmarks.chaos", *(argv or sys.argv[1:])])}
+    if "matrix" in args.parts:
+        rows = args.rows or ([s.name for s in SETTINGS] if not args.quick else ["ddp_cnn", "zero3_gpt"])
+        kills = 2 if args.quick else args.kills
+        table = matrix(rows, kills, args.seed)
+        print_table(table, ["row", "faults", "kills", "kills survived", "mid-epoch resumes", "identical"])
+        payload["matrix"] = {"kills_per_row": kills, "seed": args.seed, "rows": table}
+    if "overhead" in args.parts:
+        from benchmarks.chaos_overhead import overhead
+
+        result = overhead(quick=args.quick, repeats=args.repeats)
+        payload["overhead"] = result
+    area = "chaos" if not args.quick else "chaos_quick"
+    previous = args.results_dir / f"{area}.json"
+    if args.merge and previous.exists():
+        import json
+
+        old = json.loads(previous.read_text())
+        for part in ("matrix", "overhead"):
+            if part not in payload and part in old:
+                payload[part] = old[part]
+                payload["command"] += f" (+ {part} from: {old['command']})"
+    path = write_results(area, payload, _headline(payload), args.results_dir)
+    if area == "chaos" and args.results_dir == RESULTS_DIR:
+        render_readme(path)
+    return 0
+
+
+def _headline(payload: dict[str, Any]) -> str:
+    parts = []
+    if "matrix" in payload:
+        table = payload["matrix"]["rows"]
+        ok = sum(1 for r in table if r["identical"] and r["kills survived"] == r["kills"])
+        parts.append(f"{ok}/{len(table)} rows bit-identical after {sum(r['kills survived'] for r in table)} kills")
+    if "overhead" in payload:
+        o = payload["overhead"]
+        parts.append(f"checkpoint every {o['every']} steps: sync x{o['sync_ratio']:.3f}, async x{o['async_ratio']:.3f}")
+    return "; ".join(parts)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""FaultTolerance under Lightning's own DDP (one process here; two ranks in tests/test_chaos_integration.py)."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import lightning as L
+import pytest
+import torch
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lightning_bigtrain.callbacks import EXIT_PREEMPTED, FaultTolerance, Preempted
+from lightning_bigtrain.checkpointing import AtomicCheckpointIO, is_committed
+from lightning_bigtrain.data import FashionMNISTDataModule
+from lightning_bigtrain.models import FashionCNN
+from lightning_bigtrain.strategies import ZeroStrategy
+from lightning_bigtrain.warnings import NoEffectWarning
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match=r"SIGKILL cannot be caught"):
+        FaultTolerance(signals=["SIGKILL"])
+    with pytest.raises(ValueError, match=r"'SIGNOPE' is not a signal name"):
+        FaultTolerance(signals=["SIGNOPE"])
+    with pytest.raises(ValueError, match=r"pass a list of names"):
+        FaultTolerance(signals="SIGTERM")  # type: ignore[arg-type]
+
+
+def test_under_this_packages_strategies_it_warns_that_it_is_not_needed():
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=ZeroStrategy(3), logger=False)
+    with pytest.warns(NoEffectWarning, match=r"has no effect with ZeroStrategy"):
+        FaultTolerance().setup(trainer, FashionCNN(channels=(4, 8)), "fit")
+    assert isinstance(trainer.strategy.checkpoint_io, AtomicCheckpointIO)  # on by default there
+
+
+class _SignalAt(L.Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _fit(tmp_path, *extra_callbacks, ckpt_path=None, max_epochs=2):
+    L.seed_everything(0, verbose=False)
+    model = FashionCNN(channels=(4, 8))
+    ft = FaultTolerance()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, strategy="ddp", max_epochs=max_epochs, limit_val_batches=0, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, deterministic=True,
+        callbacks=[ft, ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_last=True),
+                   *extra_callbacks],
+    )  # fmt: skip
+    trainer.fit(model, datamodule=FashionMNISTDataModule(batch_size=16, subset=96), ckpt_path=ckpt_path)
+    return trainer, model
+
+
+def test_sigterm_commits_a_mid_epoch_checkpoint_exits_75_and_the_resume_is_exact(tmp_path):
+    _, reference = _fit(tmp_path / "ref")
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(Preempted) as stopped:
+        _fit(tmp_path / "run", _SignalAt(3))
+    assert stopped.value.code == EXIT_PREEMPTED == 75
+    last = tmp_path / "run" / "ckpt" / "last.ckpt"
+    assert is_committed(last) and torch.load(last, weights_only=False)["global_step"] == 3  # 6 steps per epoch
+    assert signal.getsignal(signal.SIGTERM) == before, "the process's own handler is put back"
+    trainer, resumed = _fit(tmp_path / "run", ckpt_path="last")
+    assert type(trainer.strategy.checkpoint_io) is TorchCheckpointIO, "the strategy's own IO is put back"
+    for a, b in zip(reference.state_dict().values(), resumed.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+def test_lightning_fsdp_sharded_checkpoints_are_committed_and_resume(tmp_path):
+    """Lightning's FSDPStrategy (GPU only) writes sharded folders: under FaultTolerance each is committed with a
+    manifest and named by a link, and a resume from it continues where the uninterrupted run ends."""
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    from lightning_bigtrain.data import ShakespeareDataModule
+    from lightning_bigtrain.models import CharGPT
+
+    def fit(max_steps: int, ckpt_path: str | None) -> L.LightningModule:
+        L.seed_everything(0, verbose=False)
+        model = CharGPT(block_size=32, n_layer=2, n_head=2, n_embd=32)
+        trainer = L.Trainer(
+            accelerator="cuda", devices=1, strategy=FSDPStrategy(state_dict_type="sharded"), max_steps=max_steps,
+            limit_val_batches=0, logger=False, enable_progress_bar=False, enable_model_summary=False,
+            callbacks=[FaultTolerance(), ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_last=True)],
+        )  # fmt: skip
+        trainer.fit(model, datamodule=ShakespeareDataModule(block_size=32, batch_size=8, subset=96),
+                    ckpt_path=ckpt_path)  # fmt: skip
+        return model
+
+    reference = fit(6, None)
+    fit(3, None)
+    assert is_committed(tmp_path / "last.ckpt") and os.path.islink(tmp_path / "last.ckpt")
+    resumed = fit(6, "last")
+    for a, b in zip(reference.state_dict().values(), resumed.state_dict().values(), strict=True):
+        torch.testing.assert_close(a, b)
