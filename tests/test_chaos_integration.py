@@ -35,7 +35,7 @@ def test_sigterm_checkpoints_exits_75_and_the_relaunch_continues_exactly(tmp_pat
     assert launch("zero2_cnn", run, "0", sigterm=4) == EXIT_PREEMPTED == 75
     assert (run / "ckpt" / "last.ckpt").exists()
     assert launch("zero2_cnn", run, "1") == 0
-    assert (run / "start-1.json").read_text() == '{"step": 4}'  # mid-epoch (3 steps per epoch)
+    assert (run / "start-1.json").read_text() == '{"step": 5}'  # the batch after the signal; mid-epoch
     import torch
 
     for a, b in zip(_final(ref, "ref"), _final(run, "1"), strict=True):

@@ -5,7 +5,7 @@ it is on by default, with Lightning's own ``ModelCheckpoint``. For Lightning's s
 ``"fsdp"``, ``"deepspeed"``, ...) the :class:`FaultTolerance` callback gives the same guarantees.
 
 Preemption: schedulers send ``SIGTERM`` (or ``SIGUSR1``, e.g. SLURM's ``--signal=USR1@90``) some time before
-they kill a job. The handler only records the signal; at the start of the next training batch every rank
+they kill a job. The handler only records the signal; at the end of the next training batch every rank
 learns of it (a one-element all-reduce per batch), the run writes a checkpoint after the optimizer step
 that just finished (at a gradient-accumulation boundary), and every rank exits with status
 :data:`EXIT_PREEMPTED` (75, ``EX_TEMPFAIL``: "try again"), on which a job script requeues. The relaunch,
@@ -63,7 +63,8 @@ class FaultTolerance(L.Callback):
 
     Under this package's strategies all three are on already; the callback then only warns that it is not
     needed. Acts in: ``setup`` (checkpoint IO, dataloader hook, folder saves), ``on_train_start`` (signal
-    handlers), ``on_train_batch_start`` (signal check), ``teardown`` (everything put back). Exactness also
+    handlers), ``on_train_batch_start`` (step-seeded RNG), ``on_train_batch_end`` (signal check: all ranks agree,
+    checkpoint, exit), ``teardown`` (everything put back). Exactness also
     needs deterministic randomness: seed the run (``seed_everything``); dropout is resumed exactly by this
     package's strategies' step-seeded generators, under Lightning's strategies only when the model draws
     no random numbers, or with ``step_seeded_rng=True`` here.
@@ -165,14 +166,14 @@ class FaultTolerance(L.Callback):
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if not self._active:
-            return
-        if self._preemption is not None:
-            self._preemption.check(trainer)
-        if self.step_seeded_rng and self._rng_seed is not None:
+        if self._active and self.step_seeded_rng and self._rng_seed is not None:
             from lightning_bigtrain.functional.rng import fold_seed, seed_all_
 
             seed_all_(fold_seed(self._rng_seed, trainer.fit_loop.epoch_loop.total_batch_idx))
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if self._active and self._preemption is not None:
+            self._preemption.check(trainer)
 
     def state_dict(self) -> dict[str, Any]:
         return {"rng_seed": self._rng_seed}

@@ -82,23 +82,18 @@ class Preemption:
         return flag > 0
 
     def check(self, trainer: L.Trainer) -> None:
-        """At the start of a training batch: if any rank was signalled, checkpoint and raise :class:`Preempted`.
-        Collective when more than one rank runs."""
+        """At the end of a training batch: if any rank was signalled, checkpoint and raise :class:`Preempted`.
+        Collective when more than one rank runs. Mid-accumulation it waits for the batch that steps (the
+        gradients of an unfinished cycle are in no checkpoint)."""
         if not self._previous:
             return
         if not self._agreed(trainer):
             return
-        done = _processed(trainer)
-        if done % trainer.accumulate_grad_batches:
-            return  # mid-accumulation: the gradients of this cycle are in no checkpoint; stop at the boundary
-        # The next batch is fetched already; the checkpoint must read as one saved after the previous batch (what
-        # Lightning's restore expects: it does not rewind the total counter, which seeds step-seeded generators,
-        # and counts one more stepped batch for logging).
-        epoch_loop = trainer.fit_loop.epoch_loop
-        epoch_loop.batch_progress.total.reset_on_restart()
-        epoch_loop.batch_progress.current.reset_on_restart()
-        epoch_loop._batches_that_stepped = max(epoch_loop._batches_that_stepped - 1, 0)
+        if trainer.fit_loop.epoch_loop._should_accumulate():
+            return
         path = _last_path(trainer)
+        # Saved where ModelCheckpoint saves (after the batch's optimizer step): Lightning's restore and every
+        # stateful loader's own count of yielded batches read it as it reads those.
         trainer.save_checkpoint(path)
         for cb in trainer.checkpoint_callbacks:
             if hasattr(cb, "last_model_path"):
@@ -106,9 +101,15 @@ class Preemption:
         raise Preempted(path)
 
 
-def _processed(trainer: L.Trainer) -> int:
-    """Training batches of this epoch the fit loop has finished processing."""
-    return int(trainer.fit_loop.epoch_loop.batch_progress.current.processed)  # type: ignore[attr-defined]
+class _PreemptionHook(L.Callback):
+    """Put into ``trainer.callbacks`` by this package's strategies for the fit: strategies have no
+    batch-end hook."""
+
+    def __init__(self, preemption: Preemption) -> None:
+        self.preemption = preemption
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        self.preemption.check(trainer)
 
 
 def _last_path(trainer: L.Trainer) -> str:
@@ -143,14 +144,12 @@ class FaultTolerantStrategyMixin:
 
     def on_train_start(self) -> None:
         super().on_train_start()  # type: ignore[misc]
-        load_pending_states(self.lightning_module.trainer)  # type: ignore[attr-defined]
+        trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
+        load_pending_states(trainer)
         if self._preemption is not None:
             self._preemption.install()
-
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        if self._preemption is not None:
-            self._preemption.check(self.lightning_module.trainer)  # type: ignore[attr-defined]
-        super().on_train_batch_start(batch, batch_idx)  # type: ignore[misc]
+            if not any(isinstance(cb, _PreemptionHook) for cb in trainer.callbacks):
+                trainer.callbacks.append(_PreemptionHook(self._preemption))
 
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.is_global_zero:  # type: ignore[attr-defined]
@@ -159,4 +158,8 @@ class FaultTolerantStrategyMixin:
     def teardown(self) -> None:
         if self._preemption is not None:
             self._preemption.uninstall()
+            module = self.lightning_module  # type: ignore[attr-defined]
+            trainer = getattr(module, "_trainer", None) if module is not None else None
+            if trainer is not None:
+                trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, _PreemptionHook)]
         super().teardown()  # type: ignore[misc]

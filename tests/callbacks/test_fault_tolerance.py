@@ -44,7 +44,21 @@ class _SignalAt(L.Callback):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
-def _fit(tmp_path, *extra_callbacks, ckpt_path=None, max_epochs=2):
+class _StatefulFashion(FashionMNISTDataModule):
+    """A user's own stateful loader as torchdata documents it for distributed runs: StatefulDataLoader with its
+    StatefulDistributedSampler, and worker processes."""
+
+    def train_dataloader(self):
+        from torchdata.stateful_dataloader import StatefulDataLoader
+        from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
+
+        self.setup()
+        data, trainer = self._splits["train"], self.trainer
+        sampler = StatefulDistributedSampler(data, num_replicas=trainer.world_size, rank=trainer.global_rank, seed=0)
+        return StatefulDataLoader(data, batch_size=self.batch_size, sampler=sampler, num_workers=2)
+
+
+def _fit(tmp_path, *extra_callbacks, ckpt_path=None, max_epochs=2, data=FashionMNISTDataModule):
     L.seed_everything(0, verbose=False)
     model = FashionCNN(channels=(4, 8))
     ft = FaultTolerance()
@@ -54,7 +68,7 @@ def _fit(tmp_path, *extra_callbacks, ckpt_path=None, max_epochs=2):
         callbacks=[ft, ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_last=True),
                    *extra_callbacks],
     )  # fmt: skip
-    trainer.fit(model, datamodule=FashionMNISTDataModule(batch_size=16, subset=96), ckpt_path=ckpt_path)
+    trainer.fit(model, datamodule=data(batch_size=16, subset=96), ckpt_path=ckpt_path)
     return trainer, model
 
 
@@ -65,10 +79,22 @@ def test_sigterm_commits_a_mid_epoch_checkpoint_exits_75_and_the_resume_is_exact
         _fit(tmp_path / "run", _SignalAt(3))
     assert stopped.value.code == EXIT_PREEMPTED == 75
     last = tmp_path / "run" / "ckpt" / "last.ckpt"
-    assert is_committed(last) and torch.load(last, weights_only=False)["global_step"] == 3  # 6 steps per epoch
+    assert is_committed(last) and torch.load(last, weights_only=False)["global_step"] == 4  # the next batch end; 6 per epoch
     assert signal.getsignal(signal.SIGTERM) == before, "the process's own handler is put back"
     trainer, resumed = _fit(tmp_path / "run", ckpt_path="last")
     assert type(trainer.strategy.checkpoint_io) is TorchCheckpointIO, "the strategy's own IO is put back"
+    for a, b in zip(reference.state_dict().values(), resumed.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_users_stateful_dataloader_keeps_its_own_state(tmp_path):
+    """torchdata's StatefulDataLoader (2 workers) is left to its own state_dict, which Lightning restores; the
+    mid-epoch resume is exact (its state reaches it although configure_optimizers built the loaders early)."""
+    trainer, reference = _fit(tmp_path / "ref", data=_StatefulFashion)
+    assert not hasattr(trainer.train_dataloader, "_bigtrain_resumable")
+    with pytest.raises(Preempted):
+        _fit(tmp_path / "run", _SignalAt(3), data=_StatefulFashion)
+    _, resumed = _fit(tmp_path / "run", ckpt_path="last", data=_StatefulFashion)
     for a, b in zip(reference.state_dict().values(), resumed.state_dict().values(), strict=True):
         assert torch.equal(a, b)
 
