@@ -25,18 +25,25 @@ from typing import Any
 from benchmarks.common import RESULTS_DIR, print_table, write_results
 
 
-def matrix(rows: list[str], kills: int, seed: int) -> list[dict[str, Any]]:
+def _fault_name(fault: tuple[str, int, int]) -> str:
+    point, step, rank = fault
+    return f"timed@{step / 1000:.1f}s" if point == "timed" else f"{point}@{step}/r{rank}"
+
+
+def matrix(rows: list[str], kills: int, seed: int, timed: int) -> list[dict[str, Any]]:
     from tests.helpers.chaos import run_chaos
 
     out = []
     for i, name in enumerate(rows):
         with tempfile.TemporaryDirectory() as tmp:
             try:
-                r = run_chaos(name, Path(tmp), kills=kills, seed=seed + i)
+                r = run_chaos(name, Path(tmp), kills=kills, seed=seed + i, timed=timed)
+                named = [f for f in r.faults if f[0] != "timed"]
                 row = {
                     "row": name,
-                    "faults": " ".join(f"{p}@{s}/r{k}" for p, s, k in r.faults),
-                    "kills": len(r.faults),
+                    "faults": " ".join(_fault_name(f) for f in r.faults),
+                    "kills": len(named),
+                    "named faults fired": sum(1 for rc in r.returncodes[: len(named)] if rc == -9),
                     "kills survived": r.kills_survived,
                     "mid-epoch resumes": r.mid_epoch_resumes,
                     "identical": r.identical,
@@ -62,10 +69,10 @@ def render(results: dict[str, Any]) -> str:
                      f"`benchmarks/results/chaos.json`).", ""]  # fmt: skip
     if "matrix" in results:
         rows = results["matrix"]["rows"]
-        lines += ["| settings row | faults (point@step/rank) | kills survived | mid-epoch resumes | bit-identical |",
-                  "|---|---|---|---|---|"]  # fmt: skip
+        lines += ["| settings row | faults (point@step/rank; timed: seconds after launch) | kills survived | "
+                  "mid-epoch resumes | bit-identical |", "|---|---|---|---|---|"]  # fmt: skip
         for r in rows:
-            survived = f"{r.get('kills survived', 0)}/{r.get('kills', 0)}"
+            survived = str(r.get("kills survived", 0))
             same = "yes" if r.get("identical") else "**no**"
             lines.append(f"| {r['row']} | {r.get('faults', r.get('notes', ''))} | {survived} | "
                          f"{r.get('mid-epoch resumes', '')} | {same} |")  # fmt: skip
@@ -95,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="two rows, two kills each")
     parser.add_argument("--parts", nargs="+", default=["matrix", "overhead"], choices=["matrix", "overhead"])
     parser.add_argument("--rows", nargs="+", default=None, help="settings rows (default: all)")
-    parser.add_argument("--kills", type=int, default=3)
+    parser.add_argument("--kills", type=int, default=3, help="named fault points per row")
+    parser.add_argument("--timed", type=int, default=1, help="kills at seeded random moments per row")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=3, help="overhead: alternating rounds")
     parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
@@ -112,9 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     if "matrix" in args.parts:
         rows = args.rows or ([s.name for s in SETTINGS] if not args.quick else ["ddp_cnn", "zero3_gpt"])
         kills = 2 if args.quick else args.kills
-        table = matrix(rows, kills, args.seed)
-        print_table(table, ["row", "faults", "kills", "kills survived", "mid-epoch resumes", "identical"])
-        payload["matrix"] = {"kills_per_row": kills, "seed": args.seed, "rows": table}
+        table = matrix(rows, kills, args.seed, 0 if args.quick else args.timed)
+        print_table(table, ["row", "faults", "kills survived", "mid-epoch resumes", "identical"])
+        payload["matrix"] = {"kills_per_row": kills, "timed_per_row": args.timed, "seed": args.seed, "rows": table}
     if "overhead" in args.parts:
         from benchmarks.chaos_overhead import overhead
 
@@ -140,7 +148,7 @@ def _headline(payload: dict[str, Any]) -> str:
     parts = []
     if "matrix" in payload:
         table = payload["matrix"]["rows"]
-        ok = sum(1 for r in table if r["identical"] and r["kills survived"] == r["kills"])
+        ok = sum(1 for r in table if r["identical"] and r.get("named faults fired") == r["kills"])
         parts.append(f"{ok}/{len(table)} rows bit-identical after {sum(r['kills survived'] for r in table)} kills")
     if "overhead" in payload:
         o = payload["overhead"]

@@ -79,7 +79,9 @@ def test_sigterm_commits_a_mid_epoch_checkpoint_exits_75_and_the_resume_is_exact
         _fit(tmp_path / "run", _SignalAt(3))
     assert stopped.value.code == EXIT_PREEMPTED == 75
     last = tmp_path / "run" / "ckpt" / "last.ckpt"
-    assert is_committed(last) and torch.load(last, weights_only=False)["global_step"] == 4  # the next batch end; 6 per epoch
+    assert (
+        is_committed(last) and torch.load(last, weights_only=False)["global_step"] == 4
+    )  # the next batch end; 6 per epoch
     assert signal.getsignal(signal.SIGTERM) == before, "the process's own handler is put back"
     trainer, resumed = _fit(tmp_path / "run", ckpt_path="last")
     assert type(trainer.strategy.checkpoint_io) is TorchCheckpointIO, "the strategy's own IO is put back"

@@ -8,7 +8,8 @@ it is set for:
 * ``batch_start``: a training batch is fetched, nothing computed yet;
 * ``step``: inside the step, after backward and before the optimizer step;
 * ``save_before_commit``: inside a checkpoint save, every rank's data written, the commit not yet made;
-* ``save_after_commit``: right after a checkpoint's commit.
+* ``save_after_commit``: right after a checkpoint's commit;
+* ``timed``: the harness kills the job after a seeded random delay, wherever it is then.
 
 :func:`run_chaos` runs the uninterrupted job, then jobs with one fault each (seeded choices of point, step
 and killing rank; steps increase so each fault is reached), then a job without fault that finishes the run
@@ -199,8 +200,10 @@ def launch(
     devices: int = 2,
     timeout: float = 600,
     extra: tuple[str, ...] = (),
+    kill_after: float | None = None,
 ) -> int:
-    """One job; returns its status (``-9`` when a fault killed it)."""
+    """One job; returns its status (``-9`` when a fault killed it). ``kill_after``: SIGKILL the whole job after
+    that many seconds (a kill at a random moment), unless it finished before."""
     cmd = [sys.executable, "-m", "tests.helpers.chaos", *extra, "--setting", setting, "--out", str(workdir),
            "--ckpt-dir", str(workdir / "ckpt"), "--launch", launch_id, "--epochs", str(epochs),
            "--every", str(every), "--devices", str(devices)]  # fmt: skip
@@ -212,6 +215,11 @@ def launch(
     with open(workdir / f"log-{launch_id}.txt", "w") as log:
         proc = subprocess.Popen(cmd, cwd=_REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
+            if kill_after is not None:
+                try:
+                    return proc.wait(timeout=kill_after)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
             return proc.wait(timeout=timeout)
         finally:
             # Nothing of the job may survive it (a rank left behind would hold the port and the files).
@@ -272,31 +280,47 @@ def run_chaos(
     steps_per_epoch: int = 3,
     every: int = 2,
     faults: list[tuple[str, int, int]] | None = None,
+    timed: int = 0,
 ) -> ChaosResult:
-    """Uninterrupted job, then one job per fault, then a job that finishes; final states compared."""
+    """Uninterrupted job, then one job per fault, then ``timed`` jobs killed at seeded random moments (a delay
+    drawn from 40-95% of the uninterrupted job's wall time: inside start-up, a step, a save or a rename, wherever
+    it falls), then a job that finishes; final states compared."""
     import torch
 
     t0 = time.perf_counter()
     ref_dir = workdir / "reference"
     ref_dir.mkdir(parents=True, exist_ok=True)
     notes: list[str] = []
+    started = time.perf_counter()
     if launch(setting, ref_dir, "ref", epochs=epochs, every=every) != 0:
         raise RuntimeError(f"uninterrupted run of {setting} failed: {(ref_dir / 'log-ref.txt').read_text()[-3000:]}")
     run_dir = workdir / "chaos"
     run_dir.mkdir(parents=True, exist_ok=True)
+    wall = time.perf_counter() - started
     faults = faults if faults is not None else schedule(seed, kills, epochs * steps_per_epoch, every, steps_per_epoch)
+    rng = random.Random(seed)
+    delays = [round(rng.uniform(0.4, 0.95) * wall, 2) for _ in range(timed)]
+    jobs: list[tuple[str, int, int] | float | None] = [*faults, *delays, None]
     rcs, resumed = [], []
-    for i, fault in enumerate([*faults, None]):
-        rc = launch(setting, run_dir, str(i), fault=fault, epochs=epochs, every=every)
+    for i, job in enumerate(jobs):
+        if isinstance(job, float):
+            rc = launch(setting, run_dir, str(i), epochs=epochs, every=every, kill_after=job)
+            if rc != -signal.SIGKILL:
+                notes.append(f"the job finished before its kill at {job} s")
+        else:
+            rc = launch(setting, run_dir, str(i), fault=job, epochs=epochs, every=every)
+            if job is not None and rc != -signal.SIGKILL:
+                notes.append(f"fault {job} did not kill the job (status {rc})")
         rcs.append(rc)
         start = run_dir / f"start-{i}.json"
         resumed.append(json.loads(start.read_text())["step"] if start.exists() else -1)
-        if fault is not None and rc != -signal.SIGKILL:
-            notes.append(f"fault {fault} did not kill the job (status {rc})")
+    faults = [*faults, *(("timed", int(d * 1000), -1) for d in delays)]
     if rcs[-1] != 0:
-        raise RuntimeError(f"final run of {setting} failed: {(run_dir / f'log-{len(faults)}.txt').read_text()[-3000:]}")
+        raise RuntimeError(
+            f"final run of {setting} failed: {(run_dir / f'log-{len(jobs) - 1}.txt').read_text()[-3000:]}"
+        )
     ref = _final(ref_dir, "ref")
-    out = _final(run_dir, str(len(faults)))
+    out = _final(run_dir, str(len(jobs) - 1))
     pairs = list(zip(ref, out, strict=True))
     identical = all(torch.equal(a["state"], b["state"]) and a["step"] == b["step"] for a, b in pairs)
     diff = max(float((a["state"] - b["state"]).abs().max()) for a, b in pairs)
