@@ -171,3 +171,30 @@ def test_plan_rejects_unknown_units(tmp_path, capsys):
     code, _, err = _main("plan", "--config", str(ROOT / "configs" / "zero3.yaml"), "--devices", "8",
                          "--device-memory", "80 GBB", "--output", str(tmp_path), capsys=capsys)  # fmt: skip
     assert code == 2 and "`device_memory='80 GBB'`: not a size" in err
+
+
+def test_resume_auto_picks_the_newest_committed_last_checkpoint(tmp_path):
+    import os
+
+    import lightning as L
+    import torch
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_bigtrain.checkpointing import AtomicCheckpointIO
+    from lightning_bigtrain.cli import resume_path
+
+    def trainer(dirpath):
+        return L.Trainer(logger=False, callbacks=[ModelCheckpoint(dirpath=dirpath)], accelerator="cpu")
+
+    assert resume_path(L.Trainer(logger=False, accelerator="cpu")) == "last"  # folder known only once fitting
+    assert resume_path(trainer(tmp_path)) is None  # nothing yet: a fresh start
+    io = AtomicCheckpointIO()
+    io.save_checkpoint({"step": 2}, str(tmp_path / "epoch=0-step=2.ckpt"))
+    assert resume_path(trainer(tmp_path)) == str(tmp_path / "epoch=0-step=2.ckpt")
+    io.save_checkpoint({"step": 4}, str(tmp_path / "last.ckpt"))
+    io.save_checkpoint({"step": 6}, str(tmp_path / "epoch=1-step=6.ckpt"))
+    os.utime(tmp_path / "last.ckpt")  # newest by time, and named last: preferred
+    assert resume_path(trainer(tmp_path)) == str(tmp_path / "last.ckpt")
+    (tmp_path / "last.ckpt").write_bytes(b"")  # damaged: skipped
+    assert resume_path(trainer(tmp_path)) == str(tmp_path / "epoch=1-step=6.ckpt")
+    assert torch.load(resume_path(trainer(tmp_path)))["step"] == 6
