@@ -52,22 +52,29 @@ class Preemption:
     def __init__(self, signals: Sequence[str] = _SIGNALS) -> None:
         self.signals = _check_signals(signals, "FaultTolerance")
         self.received: str | None = None
+        self.active = False  # the same on every rank: it decides whether the check's collective runs
         self._previous: dict[int, Any] = {}
 
     def _handler(self, signum: int, frame: Any) -> None:
         self.received = signal.Signals(signum).name
 
     def install(self) -> None:
-        """Replace the handlers (Lightning's own SIGTERM handler included) for the duration of training."""
-        if threading.current_thread() is not threading.main_thread() or self._previous:
+        """Replace the handlers (Lightning's own SIGTERM handler included) for the duration of training. Every
+        rank calls it; outside the main thread no handler can be set, but the rank still takes part in the
+        check, so a signal another rank received still stops it."""
+        if self.active:
             return
+        self.active = True
         self.received = None
+        if threading.current_thread() is not threading.main_thread():
+            return
         for name in self.signals:
             num = getattr(signal, name)
             self._previous[num] = signal.getsignal(num)
             signal.signal(num, self._handler)
 
     def uninstall(self) -> None:
+        self.active = False
         for num, handler in self._previous.items():
             with contextlib.suppress(ValueError, TypeError):
                 signal.signal(num, handler if handler is not None else signal.SIG_DFL)
@@ -85,7 +92,7 @@ class Preemption:
         """At the end of a training batch: if any rank was signalled, checkpoint and raise :class:`Preempted`.
         Collective when more than one rank runs. Mid-accumulation it waits for the batch that steps (the
         gradients of an unfinished cycle are in no checkpoint)."""
-        if not self._previous:
+        if not self.active:
             return
         if not self._agreed(trainer):
             return
