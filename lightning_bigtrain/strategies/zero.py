@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 from collections.abc import Generator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -81,7 +83,8 @@ class ZeroOptions:
         timeout: Collective timeout.
         async_checkpoint: Write sharded checkpoints in the background (``torch.distributed.checkpoint.
             async_save`` over a separate gloo group): the save copies this rank's shards to host memory and
-            returns; the folder is committed (and older checkpoints removed) once every rank has written it,
+            returns; the writing thread runs at a lower priority (``nice`` 10) so training keeps the cores;
+            the folder is committed (and older checkpoints removed) once every rank has written it,
             checked at each batch start and at the end of training. One save is in flight at a time (the next
             one waits for it), and a preemption checkpoint is written synchronously.
     """
@@ -433,7 +436,8 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         shards = {"state_dict": checkpoint.pop("state_dict")}
         for i, optimizer_state in enumerate(checkpoint.pop("optimizer_states", [])):
             shards[f"optimizer_{i}"] = optimizer_state
-        writer = FsspecWriter(staging) if _is_url(staging) else dcp.FileSystemWriter(staging)
+        writer_cls = FsspecWriter if _is_url(staging) else dcp.FileSystemWriter
+        writer = _background(writer_cls)(staging)
         if self._checkpoint_group is None:
             self._checkpoint_group = torch.distributed.new_group(backend="gloo")
         future = dcp.async_save(shards, storage_writer=writer, process_group=self._checkpoint_group)
@@ -635,6 +639,20 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
         assert self.model is not None
         self._log_state_bytes(model_state_bytes(self.model, inner))
+
+
+def _background(writer_cls: type) -> type:
+    """``writer_cls`` whose writing thread lowers its own scheduling priority (``nice`` 10, Linux: per thread),
+    so that the training threads keep the cores and the save runs in what they leave idle (collective waits)."""
+
+    class BackgroundWriter(writer_cls):  # type: ignore[misc,valid-type]
+        def set_up_storage_writer(self, *args: Any, **kwargs: Any) -> Any:
+            with contextlib.suppress(OSError, AttributeError):  # not Linux, or not allowed: normal priority
+                tid = threading.get_native_id()
+                os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), 10))
+            return super().set_up_storage_writer(*args, **kwargs)
+
+    return BackgroundWriter
 
 
 def resolve_engine(engine: str, *, stage: int = 3, **kwargs: Any) -> str:
