@@ -31,17 +31,10 @@ def worker(variant: str, steps: int, quick: bool, out: str) -> None:
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from benchmarks.common import set_flush_denormal
-    from lightning_bigtrain.data import ShakespeareDataModule
-    from lightning_bigtrain.models import CharGPT
+    from benchmarks.common import zero_benchmark_model
     from lightning_bigtrain.strategies import ZeroOptions, ZeroStrategy
 
-    set_flush_denormal()
-    L.seed_everything(0, verbose=False)
-    data = ShakespeareDataModule(block_size=128, batch_size=4)
-    width, layers = (128, 2) if quick else (512, 8)
-    model = CharGPT(vocab_size=data.vocab_size, block_size=128, n_layer=layers, n_head=8, n_embd=width)
-    psi = sum(p.numel() for p in model.parameters())
+    data, model, psi = zero_benchmark_model(quick)
     strategy = ZeroStrategy(stage=3, options=ZeroOptions(async_checkpoint=variant == "async"))
 
     class Clock(L.Callback):

@@ -43,18 +43,11 @@ DEFAULT_CONFIGS = CONFIGS  # offload on DeepSpeed's engine is the same run on CP
 def worker(config: str, steps: int, quick: bool, out: str) -> None:
     import lightning as L
 
-    from benchmarks.common import set_flush_denormal
+    from benchmarks.common import zero_benchmark_model
     from lightning_bigtrain.callbacks import RunReport
-    from lightning_bigtrain.data import ShakespeareDataModule
-    from lightning_bigtrain.models import CharGPT
     from lightning_bigtrain.strategies import ZeroStrategy
 
-    set_flush_denormal()
-    L.seed_everything(0, verbose=False)
-    data = ShakespeareDataModule(block_size=128, batch_size=4)
-    width, layers = (128, 2) if quick else (512, 8)
-    model = CharGPT(vocab_size=data.vocab_size, block_size=128, n_layer=layers, n_head=8, n_embd=width)
-    psi = sum(p.numel() for p in model.parameters())
+    data, model, psi = zero_benchmark_model(quick)
     if config == "ddp":
         strategy: Any = "ddp"
     else:

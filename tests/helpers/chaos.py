@@ -121,20 +121,11 @@ def _job(args: argparse.Namespace) -> int:
     if not isinstance(strategy, FaultTolerantStrategyMixin):
         callbacks.append(FaultTolerance(step_seeded_rng=True))
     callbacks += [chaos, ModelCheckpoint(dirpath=args.ckpt_dir, every_n_train_steps=args.every, save_last=True)]
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=args.devices,
-        max_epochs=args.epochs,
-        limit_val_batches=0,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        deterministic=True,
-        **extra,
-    )
+    from tests.test_settings_integration import _COMMON, _flat_state
+
+    common = {**_COMMON, "devices": args.devices}
+    trainer = L.Trainer(max_epochs=args.epochs, limit_val_batches=0, **common, **extra)
     trainer.fit(model, datamodule=setting.data(), ckpt_path="last")
-    from tests.test_settings_integration import _flat_state
 
     state = _flat_state(model)
     torch.save({"state": state, "step": trainer.global_step}, Path(args.out, f"final-{args.launch}-rank{rank}.pt"))
