@@ -727,7 +727,7 @@ def consolidate_checkpoint(path: str | os.PathLike[str], output: str | os.PathLi
     """
     from lightning.fabric.utilities.load import _load_distributed_checkpoint
 
-    folder = Path(load_path(str(path))) if Path(path).exists() else Path(path)  # a committed one (see checkpointing)
+    folder = Path(load_path(str(path))) if Path(path).is_dir() else Path(path)  # a committed one (see checkpointing)
     if not folder.is_dir():
         raise ValueError(
             f"`consolidate_checkpoint({str(path)!r}, ...)`: expected the folder of a sharded checkpoint; "

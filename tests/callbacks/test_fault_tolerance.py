@@ -19,6 +19,19 @@ from lightning_bigtrain.strategies import ZeroStrategy
 from lightning_bigtrain.warnings import NoEffectWarning
 
 
+@pytest.fixture(autouse=True)
+def _own_process_state():
+    """These fits run in the test process (one rank): its process group, environment (MASTER_PORT, which later
+    subprocess launches would inherit and find taken) and deterministic flag are put back afterwards."""
+    env, deterministic = dict(os.environ), torch.are_deterministic_algorithms_enabled()
+    yield
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(env)
+    torch.use_deterministic_algorithms(deterministic)
+
+
 def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match=r"SIGKILL cannot be caught"):
         FaultTolerance(signals=["SIGKILL"])

@@ -37,6 +37,8 @@ from typing import Any
 POINTS = ("batch_start", "step", "save_before_commit", "save_after_commit")
 _SAVE_POINTS = ("save_before_commit", "save_after_commit")
 _REPO = Path(__file__).resolve().parents[2]
+_RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE",
+               "GROUP_RANK")  # fmt: skip
 
 
 @dataclass
@@ -202,7 +204,9 @@ def launch(
         cmd += ["--fault", "@".join(map(str, fault))]
     if sigterm is not None:
         cmd += ["--sigterm", str(sigterm)]
-    env = {**os.environ, "PYTHONPATH": str(_REPO), "PYTHONWARNINGS": "ignore"}
+    # A job is launched as a scheduler launches one: no rendezvous variables inherited from the test process.
+    env = {k: v for k, v in os.environ.items() if k not in _RENDEZVOUS}
+    env.update(PYTHONPATH=str(_REPO), PYTHONWARNINGS="ignore")
     with open(workdir / f"log-{launch_id}.txt", "w") as log:
         proc = subprocess.Popen(cmd, cwd=_REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:

@@ -212,8 +212,14 @@ def test_checkpoint_to_s3_resumes(s3_bucket, stage):
     fs, bucket = s3_bucket
     url = f"s3://{bucket}/run"
     saved = run_on_ranks(_save, url, 2, stage, init_process_group=False)[0]
-    files = fs.ls(f"{bucket}/run/last.ckpt", refresh=True)
-    assert f"{bucket}/run/last.ckpt/meta.pt" in files and sum(f.endswith(".distcp") for f in files) == 2
+    from lightning_bigtrain.checkpointing import COMMIT_MARKER, load_path
+
+    fs.invalidate_cache()
+    data = load_path(f"{url}/last.ckpt")  # last.ckpt is a pointer object naming the committed folder
+    assert fs.isfile(f"{bucket}/run/last.ckpt") and ".data-" in data
+    files = fs.ls(data, refresh=True)
+    assert any(f.endswith("/meta.pt") for f in files) and any(f.endswith(COMMIT_MARKER) for f in files)
+    assert sum(f.endswith(".distcp") for f in files) == 2
     for r in run_on_ranks(_resume, url, 2, stage, init_process_group=False):
         assert r["start_step"] == 4 and r["end_step"] == 8
         torch.testing.assert_close(r["start"], saved, rtol=0, atol=0)
