@@ -5,6 +5,7 @@ sample of the epoch once. The whole settings matrix runs in ``benchmarks/chaos.p
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 
 import pytest
@@ -35,7 +36,10 @@ def test_sigterm_checkpoints_exits_75_and_the_relaunch_continues_exactly(tmp_pat
     assert launch("zero2_cnn", run, "0", sigterm=4) == EXIT_PREEMPTED == 75
     assert (run / "ckpt" / "last.ckpt").exists()
     assert launch("zero2_cnn", run, "1") == 0
-    assert (run / "start-1.json").read_text() == '{"step": 5}'  # the batch after the signal; mid-epoch
+    # Checkpointed at the end of the batch during which the launcher noticed the signal (step 4 or 5: the signal
+    # races the batch-end check): mid-epoch either way (3 steps per epoch).
+    resumed = json.loads((run / "start-1.json").read_text())["step"]
+    assert resumed in (4, 5), resumed
     import torch
 
     for a, b in zip(_final(ref, "ref"), _final(run, "1"), strict=True):
