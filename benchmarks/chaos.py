@@ -30,7 +30,7 @@ def _fault_name(fault: tuple[str, int, int]) -> str:
     return f"timed@{step / 1000:.1f}s" if point == "timed" else f"{point}@{step}/r{rank}"
 
 
-def matrix(rows: list[str], kills: int, seed: int, timed: int) -> list[dict[str, Any]]:
+def matrix(rows: list[str], kills: int, seed: int, timed: int, done: Any = None) -> list[dict[str, Any]]:
     from tests.helpers.chaos import run_chaos
 
     out = []
@@ -56,6 +56,8 @@ def matrix(rows: list[str], kills: int, seed: int, timed: int) -> list[dict[str,
                        "notes": f"{type(err).__name__}: {str(err)[-400:]}"}  # fmt: skip
         print(f"{name}: {row}", flush=True)
         out.append(row)
+        if done is not None:
+            done(out)  # results written after every row: a long run stopped early keeps what it measured
     return out
 
 
@@ -65,8 +67,9 @@ _BEGIN, _END = "<!-- chaos-figures:begin -->", "<!-- chaos-figures:end -->"
 
 def render(results: dict[str, Any]) -> str:
     """The README's crash-consistency figures, from ``results/chaos.json`` (never typed by hand)."""
-    lines = [_BEGIN, f"Measured {results['machine']['time'][:10]} (`{results['command']}`, "
-                     f"`benchmarks/results/chaos.json`).", ""]  # fmt: skip
+    commands = results.get("commands") or {"all": results["command"]}
+    run = "; ".join(f"`{c}`" for c in dict.fromkeys(commands.values()))
+    lines = [_BEGIN, f"Measured {results['machine']['time'][:10]} ({run}; `benchmarks/results/chaos.json`).", ""]
     if "matrix" in results:
         rows = results["matrix"]["rows"]
         lines += ["| settings row | faults (point@step/rank; timed: seconds after launch) | kills survived | "
@@ -76,6 +79,9 @@ def render(results: dict[str, Any]) -> str:
             same = "yes" if r.get("identical") else "**no**"
             lines.append(f"| {r['row']} | {r.get('faults', r.get('notes', ''))} | {survived} | "
                          f"{r.get('mid-epoch resumes', '')} | {same} |")  # fmt: skip
+        planned = results["matrix"].get("rows_planned", len(rows))
+        if len(rows) < planned:
+            lines.append(f"{len(rows)} of {planned} settings rows measured (the run was stopped before the rest).")
         lines.append("")
     if "overhead" in results:
         o = results["overhead"]
@@ -116,32 +122,45 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from tests.helpers.settings import SETTINGS
 
-    payload: dict[str, Any] = {"command": " ".join(["python -m benchmarks.chaos", *(argv or sys.argv[1:])])}
+    command = " ".join(["python -m benchmarks.chaos", *(argv or sys.argv[1:])])
+    payload: dict[str, Any] = {"commands": {part: command for part in args.parts}}
     if "matrix" in args.parts:
         rows = args.rows or ([s.name for s in SETTINGS] if not args.quick else ["ddp_cnn", "zero3_gpt"])
         kills = 2 if args.quick else args.kills
-        table = matrix(rows, kills, args.seed, 0 if args.quick else args.timed)
+
+        def partial(table: list[dict[str, Any]]) -> None:
+            payload["matrix"] = {"kills_per_row": kills, "timed_per_row": args.timed, "seed": args.seed,
+                                 "rows": table, "rows_planned": len(rows)}  # fmt: skip
+            _write(args, payload)
+
+        table = matrix(rows, kills, args.seed, 0 if args.quick else args.timed, partial)
         print_table(table, ["row", "faults", "kills survived", "mid-epoch resumes", "identical"])
-        payload["matrix"] = {"kills_per_row": kills, "timed_per_row": args.timed, "seed": args.seed, "rows": table}
+        partial(table)
     if "overhead" in args.parts:
         from benchmarks.chaos_overhead import overhead
 
         result = overhead(quick=args.quick, repeats=args.repeats)
         payload["overhead"] = result
+    _write(args, payload)
+    return 0
+
+
+def _write(args: argparse.Namespace, payload: dict[str, Any]) -> None:
     area = "chaos" if not args.quick else "chaos_quick"
+    payload = dict(payload)
     previous = args.results_dir / f"{area}.json"
     if args.merge and previous.exists():
         import json
 
         old = json.loads(previous.read_text())
+        old_commands = old.get("commands") or {p: old["command"] for p in ("matrix", "overhead") if p in old}
         for part in ("matrix", "overhead"):
             if part not in payload and part in old:
                 payload[part] = old[part]
-                payload["command"] += f" (+ {part} from: {old['command']})"
+                payload["commands"] = {**payload["commands"], part: old_commands[part]}
     path = write_results(area, payload, _headline(payload), args.results_dir)
     if area == "chaos" and args.results_dir == RESULTS_DIR:
         render_readme(path)
-    return 0
 
 
 def _headline(payload: dict[str, Any]) -> str:

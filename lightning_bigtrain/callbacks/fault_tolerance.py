@@ -29,6 +29,7 @@ from lightning_bigtrain.strategies._fault import (
     Preempted,
     Preemption,
     _check_signals,
+    repair_epoch_progress,
 )
 from lightning_bigtrain.warnings import NoEffectWarning, warn_once
 
@@ -166,6 +167,8 @@ class FaultTolerance(L.Callback):
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        if self._active:
+            repair_epoch_progress(trainer)
         if self._active and self.step_seeded_rng and self._rng_seed is not None:
             from lightning_bigtrain.functional.rng import fold_seed, seed_all_
 

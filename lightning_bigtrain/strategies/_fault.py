@@ -108,12 +108,29 @@ class Preemption:
         raise Preempted(path)
 
 
+def repair_epoch_progress(trainer: L.Trainer) -> None:
+    """Mark the epoch being trained as started when Lightning did not (call at every training batch start).
+
+    Lightning 2.6 resuming from a checkpoint saved after the last batch of an epoch continues into the next
+    epoch without counting it as started; every checkpoint of that epoch then says it never began, and a resume
+    from one replays the epoch from its first batch (seen with plain Lightning: 11 steps instead of 9). In an
+    uninterrupted run an epoch in progress always has ``ready == completed + 1``.
+    """
+    progress = trainer.fit_loop.epoch_progress
+    if progress.current.ready == progress.current.completed:
+        progress.increment_ready()
+        progress.increment_started()
+
+
 class _PreemptionHook(L.Callback):
-    """Put into ``trainer.callbacks`` by this package's strategies for the fit: strategies have no
-    batch-end hook."""
+    """Put into ``trainer.callbacks`` by this package's strategies for the fit (strategies have no batch-end
+    hook): the preemption check, and the epoch-progress repair."""
 
     def __init__(self, preemption: Preemption) -> None:
         self.preemption = preemption
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        repair_epoch_progress(trainer)
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         self.preemption.check(trainer)

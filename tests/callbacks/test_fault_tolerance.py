@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 
 import lightning as L
@@ -141,3 +142,45 @@ def test_lightning_fsdp_sharded_checkpoints_are_committed_and_resume(tmp_path):
     resumed = fit(6, "last")
     for a, b in zip(reference.state_dict().values(), resumed.state_dict().values(), strict=True):
         torch.testing.assert_close(a, b)
+
+
+class _Seen(L.LightningModule):
+    """Records the samples of every step (the dataset holds the sample indices)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(1, 1)
+        self.seen: list[list[int]] = []
+
+    def training_step(self, batch, batch_idx):
+        self.seen.append([int(i) for i in batch])
+        return self.layer(batch.float()[:, None]).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(list(range(12)), batch_size=4)
+
+
+def test_resume_after_an_epoch_boundary_checkpoint_does_not_replay_the_next_epoch(tmp_path):
+    """Lightning alone: a run resumed from a checkpoint saved after an epoch's last batch, checkpointed again
+    mid-epoch and resumed from that, replays the epoch (11 steps instead of 9). FaultTolerance repairs the epoch
+    progress Lightning leaves behind."""
+
+    def run(max_steps: int, ckpt_path: str | None) -> list[list[int]]:
+        model = _Seen()
+        trainer = L.Trainer(
+            accelerator="cpu", devices=1, strategy="ddp", max_epochs=3, max_steps=max_steps, logger=False,
+            enable_progress_bar=False, enable_model_summary=False,
+            callbacks=[FaultTolerance(), ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2,
+                                                         save_last=True)],
+        )  # fmt: skip
+        L.seed_everything(0, verbose=False)
+        trainer.fit(model, ckpt_path=ckpt_path)
+        return model.seen
+
+    uninterrupted = run(-1, None)
+    shutil.rmtree(tmp_path / "ckpt")
+    pieces = run(6, None) + run(8, "last") + run(-1, "last")  # 6: the last batch of epoch 1
+    assert len(uninterrupted) == 9 and pieces == uninterrupted
