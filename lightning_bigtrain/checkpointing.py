@@ -30,6 +30,8 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
 from lightning_bigtrain.warnings import BigtrainWarning, warn_once
 
 __all__ = [
@@ -396,13 +398,7 @@ class AsyncCommits:
                     remove_checkpoint(path)
 
 
-def _io_base() -> type:
-    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-
-    return TorchCheckpointIO
-
-
-class AtomicCheckpointIO(_io_base()):  # type: ignore[misc]
+class AtomicCheckpointIO(TorchCheckpointIO):
     """Lightning ``CheckpointIO`` writing single-file checkpoints atomically (see the module docstring).
 
     Loading goes through :func:`load_path` (an uncommitted or damaged checkpoint is skipped with a warning

@@ -171,8 +171,14 @@ def make_resumable(dataloader: object, trainer_ref: Callable[[], Any]) -> object
     """
     if not isinstance(dataloader, DataLoader) or is_stateful_loader(dataloader):
         return dataloader
+    if dataloader.batch_size is None and isinstance(getattr(dataloader.batch_sampler, "sampler", None),
+                                                    DistributedSampler):  # fmt: skip
+        _not_resumable(f"it batches with a custom {type(dataloader.batch_sampler).__name__}")
+        return dataloader
     sampler = dataloader.sampler
     if type(sampler) is not DistributedSampler and not _is_sampler_wrapper(sampler):
+        if isinstance(sampler, DistributedSampler):  # a subclass of the user's: its order is its own
+            _not_resumable(f"its sampler is the user's {type(sampler).__name__}")
         return dataloader
     if dataloader.batch_size is None:  # a custom batch sampler: its batches may not be fixed-size
         return dataloader
@@ -248,6 +254,17 @@ def load_pending_states(trainer: Any) -> None:
     if fit_loop._data_fetcher is not None:
         fit_loop._data_fetcher.teardown()
     fit_loop._combined_loader = None
+
+
+def _not_resumable(why: str) -> None:
+    from lightning_bigtrain.warnings import NoEffectWarning, warn_once
+
+    warn_once(
+        f"The training dataloader cannot be resumed mid-epoch by lightning_bigtrain: {why}. A checkpoint taken "
+        "mid-epoch replays the epoch from its start; give the loader `state_dict`/`load_state_dict` (torchdata's "
+        "StatefulDataLoader with StatefulDistributedSampler) or checkpoint at epoch ends.",
+        NoEffectWarning,
+    )
 
 
 def _refresh_limit(trainer: Any, loader: object) -> None:

@@ -146,3 +146,19 @@ def test_a_state_for_another_dataset_is_refused():
                            lambda: trainer)  # fmt: skip
     with pytest.raises(ValueError, match="dataset of 20 samples"):
         other.load_state_dict(state)
+
+
+def test_a_loader_that_cannot_be_made_resumable_warns():
+    from lightning_bigtrain.warnings import NoEffectWarning
+
+    class OwnSampler(DistributedSampler):
+        pass
+
+    data = list(range(8))
+    own = DataLoader(data, batch_size=2, sampler=OwnSampler(data, num_replicas=2, rank=0))
+    with pytest.warns(NoEffectWarning, match=r"its sampler is the user's OwnSampler"):
+        assert make_resumable(own, lambda: None) is own
+    batches = torch.utils.data.BatchSampler(DistributedSampler(data, 2, 0), batch_size=2, drop_last=False)
+    custom = DataLoader(data, batch_sampler=batches)
+    with pytest.warns(NoEffectWarning, match=r"custom BatchSampler"):
+        assert make_resumable(custom, lambda: None) is custom
