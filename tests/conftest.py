@@ -60,9 +60,14 @@ def s3_bucket(monkeypatch):
     }.items():
         monkeypatch.setenv(key, value)  # fmt: skip
     import fsspec
+    import s3fs
 
+    # fsspec caches filesystem instances by their arguments, not by the environment: an instance made
+    # for an earlier test's server (now stopped) would be handed to the library's own calls here.
+    s3fs.S3FileSystem.clear_instance_cache()
     fs = fsspec.filesystem("s3", skip_instance_cache=True)
     bucket = f"checkpoints-{uuid.uuid4().hex[:8]}"
     fs.mkdir(bucket)
     yield fs, bucket
     server.stop()
+    s3fs.S3FileSystem.clear_instance_cache()
