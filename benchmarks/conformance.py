@@ -1,0 +1,618 @@
+"""Conformance matrix: model families this project did not write x every strategy, plugin and callback.
+
+    python -m benchmarks.conformance [--families F ...] [--cells C ...] [--render]
+
+Each *family* is a LightningModule written the way its users write one (Hugging Face: ``training_step`` returns
+``self.model(input_ids, labels=...).loss``; torchvision/timm: ``F.cross_entropy(self.model(x), y)``; Lightning's
+demo Transformer subclassed only to skip its WikiText download), built from a config (no weights downloaded),
+trained on the bundled data (Shakespeare characters, Fashion-MNIST). Each *cell* switches one technique on
+through Trainer arguments alone, runs ``STEPS`` optimizer steps on 2 CPU ranks (gloo), and is classified:
+
+* ``ok``: the loss is finite and falls (mean of the last 3 steps below the first 3), the replicated tensors
+  are bit-identical on both ranks (each rank's own view, compared before any gather; sharded tensors are not
+  replicas and are not compared), and the technique measurably acted (the evidence column);
+* ``refused``: the fit raised from this package's code at setup, before the first step, with a message;
+* ``FAILED``: anything else (a framework error, a loss that does not fall, replicas that differ, a technique
+  that did nothing).
+
+The results go to ``results/conformance.json`` and the README's matrix is rendered from it; the fast subset in
+``tests/test_conformance.py`` runs the same cells through the same function.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import math
+import os
+import sys
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+STEPS = 8
+VOCAB = 96  # the Shakespeare datamodule's fixed character vocabulary
+BLOCK = 32
+
+
+# ------------------------------------------------------------------------------------------------ families
+class LanguageModel(L.LightningModule):
+    """How Hugging Face and plain-PyTorch users write a language-model LightningModule.
+
+    ``style``: ``"causal"`` (HF ``...ForCausalLM``: ``self.model(input_ids=x, labels=x).loss``), ``"mlm"``
+    (HF masked LM: every sixth position masked, ``labels`` -100 elsewhere), ``"seq2seq"`` (HF T5:
+    ``self.model(input_ids=x, labels=y).loss``), ``"logits"`` (``self(x)`` returns logits; cross entropy on ``y``).
+    """
+
+    def __init__(self, model: nn.Module, style: str, lr: float = 3e-3) -> None:
+        super().__init__()
+        self.model = model
+        self.style = style
+        self.lr = lr
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        if self.style == "causal":
+            loss = self.model(input_ids=x, labels=x).loss
+        elif self.style == "mlm":
+            masked = (torch.arange(x.shape[1], device=x.device) % 6) == (self.global_step % 6)
+            labels = torch.where(masked, x, torch.full_like(x, -100))
+            loss = self.model(input_ids=torch.where(masked, torch.full_like(x, VOCAB - 1), x), labels=labels).loss
+        elif self.style == "seq2seq":
+            loss = self.model(input_ids=x, labels=y).loss
+        else:
+            logits = self(x)
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+
+class ImageClassifier(L.LightningModule):
+    """How torchvision/timm users write a classifier: ``F.cross_entropy(self(x), y)``. Fashion-MNIST's 28x28 grey
+    images are resized to 32x32 and repeated to the model's input channels."""
+
+    def __init__(self, model: nn.Module, channels: int = 3, lr: float = 2e-3) -> None:
+        super().__init__()
+        self.model = model
+        self.channels = channels
+        self.lr = lr
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        x = F.interpolate(x, size=(32, 32), mode="bilinear", align_corners=False).expand(-1, self.channels, -1, -1)
+        loss = F.cross_entropy(self(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+
+def _demo_transformer() -> L.LightningModule:
+    from lightning.pytorch.demos import LightningTransformer
+
+    class DemoTransformer(LightningTransformer):
+        """Lightning's demo as is (SGD 0.1, ``forward(inputs, target)``), minus its WikiText download."""
+
+        def prepare_data(self) -> None:
+            pass
+
+    return DemoTransformer(vocab_size=VOCAB)
+
+
+def _hf_gpt2() -> L.LightningModule:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(vocab_size=VOCAB, n_positions=BLOCK, n_embd=64, n_layer=2, n_head=4, bos_token_id=0,
+                     eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+    return LanguageModel(GPT2LMHeadModel(cfg), "causal")
+
+
+def _hf_bert() -> L.LightningModule:
+    from transformers import BertConfig, BertForMaskedLM
+
+    cfg = BertConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                     intermediate_size=128, max_position_embeddings=BLOCK, hidden_dropout_prob=0.0,
+                     attention_probs_dropout_prob=0.0, pad_token_id=0)  # fmt: skip
+    return LanguageModel(BertForMaskedLM(cfg), "mlm")
+
+
+def _hf_llama() -> L.LightningModule:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    # RMSNorm, rotary positions, SwiGLU MLP, grouped-query attention (4 query heads share 2 key/value heads).
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=BLOCK,
+                      bos_token_id=0, eos_token_id=0, pad_token_id=0)  # fmt: skip
+    return LanguageModel(LlamaForCausalLM(cfg), "causal")
+
+
+def _hf_t5() -> L.LightningModule:
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    cfg = T5Config(vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4, dropout_rate=0.0,
+                   decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)  # fmt: skip
+    return LanguageModel(T5ForConditionalGeneration(cfg), "seq2seq")
+
+
+def _nn_transformer() -> L.LightningModule:
+    class EncoderLM(nn.Module):
+        """A causal language model on ``nn.TransformerEncoder``, as a PyTorch tutorial writes it."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(VOCAB, 64)
+            self.pos = nn.Parameter(torch.zeros(1, BLOCK, 64))
+            layer = nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True, norm_first=True)
+            self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+            self.norm = nn.LayerNorm(64)
+            self.head = nn.Linear(64, VOCAB)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            t = x.shape[1]
+            mask = nn.Transformer.generate_square_subsequent_mask(t, device=x.device)
+            h = self.encoder(self.embed(x) + self.pos[:, :t], mask=mask, is_causal=True)
+            return self.head(self.norm(h))
+
+    return LanguageModel(EncoderLM(), "logits")
+
+
+def _timm_convnext() -> L.LightningModule:
+    from timm.models.convnext import ConvNeXt
+
+    return ImageClassifier(ConvNeXt(in_chans=1, num_classes=10, depths=(1, 1, 2, 1), dims=(16, 32, 64, 128)), 1)
+
+
+def _timm_vit() -> L.LightningModule:
+    from timm.models.vision_transformer import VisionTransformer
+
+    vit = VisionTransformer(img_size=32, patch_size=8, in_chans=1, num_classes=10, embed_dim=64, depth=2,
+                            num_heads=4, mlp_ratio=2.0)  # fmt: skip
+    return ImageClassifier(vit, 1)
+
+
+def _tv_resnet18() -> L.LightningModule:
+    from torchvision.models import resnet18
+
+    return ImageClassifier(resnet18(num_classes=10))
+
+
+def _tv_mobilenet() -> L.LightningModule:
+    from torchvision.models import mobilenet_v3_small
+
+    return ImageClassifier(mobilenet_v3_small(num_classes=10))
+
+
+def _tv_vit() -> L.LightningModule:
+    from torchvision.models import VisionTransformer
+
+    return ImageClassifier(VisionTransformer(image_size=32, patch_size=8, num_layers=2, num_heads=4, hidden_dim=64,
+                                             mlp_dim=128, num_classes=10))  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    build: Callable[[], L.LightningModule]
+    data: str  # "text" or "images"
+    requires: tuple[str, ...] = ()
+
+
+FAMILIES: dict[str, Family] = {
+    f.name: f
+    for f in (
+        Family("hf_gpt2", _hf_gpt2, "text", ("transformers",)),
+        Family("hf_bert", _hf_bert, "text", ("transformers",)),
+        Family("hf_llama", _hf_llama, "text", ("transformers",)),
+        Family("hf_t5", _hf_t5, "text", ("transformers",)),
+        Family("nn_transformer", _nn_transformer, "text"),
+        Family("lightning_demo_transformer", _demo_transformer, "text"),
+        Family("timm_convnext", _timm_convnext, "images", ("timm",)),
+        Family("timm_vit", _timm_vit, "images", ("timm",)),
+        Family("tv_resnet18", _tv_resnet18, "images"),
+        Family("tv_mobilenet_v3", _tv_mobilenet, "images"),
+        Family("tv_vit", _tv_vit, "images"),
+    )
+}
+
+
+def _data(kind: str) -> L.LightningDataModule:
+    from lightning_bigtrain.data import FashionMNISTDataModule, ShakespeareDataModule
+
+    if kind == "text":
+        return ShakespeareDataModule(block_size=BLOCK, batch_size=8, subset=8 * STEPS * 2)
+    return FashionMNISTDataModule(batch_size=16, subset=16 * STEPS * 2)
+
+
+def _build(family: Family, seed: int) -> L.LightningModule:
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return family.build()
+
+
+# --------------------------------------------------------------------------------------------------- cells
+@dataclass(frozen=True)
+class Cell:
+    name: str
+    kwargs: Callable[[Family], dict[str, Any]]
+    evidence: str  # what "the technique acted" means for this cell
+
+
+def _zero(stage: int, engine: str = "torch") -> Callable[[Family], dict[str, Any]]:
+    def kwargs(family: Family) -> dict[str, Any]:
+        from lightning_bigtrain.strategies import DeepSpeedOptions, ZeroStrategy
+
+        if engine == "deepspeed":
+            options = DeepSpeedOptions(reduce_bucket_size=20_000, allgather_bucket_size=20_000,
+                                       param_persistence_threshold=0 if stage == 3 else None)  # fmt: skip
+            return {"strategy": ZeroStrategy(stage=stage, engine="deepspeed", deepspeed=options)}
+        return {"strategy": ZeroStrategy(stage=stage, min_wrap_params=10_000)}
+
+    return kwargs
+
+
+def _compressed(family: Family) -> dict[str, Any]:
+    from lightning_bigtrain.compression import PowerSGD
+    from lightning_bigtrain.strategies import CompressedDDPStrategy
+
+    return {"strategy": CompressedDDPStrategy(PowerSGD(rank=4))}
+
+
+def _bf16(family: Family) -> dict[str, Any]:
+    from lightning_bigtrain.plugins import BF16Precision
+
+    return {"strategy": "ddp", "plugins": [BF16Precision("kahan")]}
+
+
+def _fusion(family: Family) -> dict[str, Any]:
+    from lightning_bigtrain.callbacks import OperatorFusion
+
+    return {"strategy": "ddp", "callbacks": [OperatorFusion(compile="regional")]}
+
+
+def _kd(family: Family) -> dict[str, Any]:
+    from lightning_bigtrain.callbacks import KnowledgeDistillation
+
+    return {"strategy": "ddp", "callbacks": [KnowledgeDistillation(_build(family, 1234), temperature=2.0)]}
+
+
+def _magnitude(family: Family) -> dict[str, Any]:
+    from lightning_bigtrain.callbacks import MagnitudePruning, PruningSchedule
+
+    return {"strategy": "ddp",
+            "callbacks": [MagnitudePruning(0.5, schedule=PruningSchedule(start=1, end=4, frequency=1), plot=False)]}  # fmt: skip
+
+
+def _nm(family: Family) -> dict[str, Any]:
+    from lightning_bigtrain.callbacks import MagnitudePruning, PruningSchedule
+
+    return {"strategy": "ddp",
+            "callbacks": [MagnitudePruning(pattern="2:4", schedule=PruningSchedule(start=2), plot=False)]}  # fmt: skip
+
+
+def _structured(family: Family) -> dict[str, Any]:
+    from lightning_bigtrain.callbacks import PruningSchedule, StructuredPruning
+
+    return {"strategy": "ddp",
+            "callbacks": [StructuredPruning(0.5, schedule=PruningSchedule(start=1, end=3, frequency=1))]}  # fmt: skip
+
+
+def _everything(family: Family) -> dict[str, Any]:
+    """ZeRO-2 + pure bf16 + regional compile + distillation + gradual magnitude pruning on one run."""
+    from lightning_bigtrain.callbacks import KnowledgeDistillation, MagnitudePruning, OperatorFusion, PruningSchedule
+    from lightning_bigtrain.plugins import BF16Precision
+    from lightning_bigtrain.strategies import ZeroStrategy
+
+    return {
+        "strategy": ZeroStrategy(stage=2, min_wrap_params=10_000),
+        "plugins": [BF16Precision("kahan")],
+        "callbacks": [
+            KnowledgeDistillation(_build(family, 1234)),
+            MagnitudePruning(0.5, schedule=PruningSchedule(start=1, end=4, frequency=1), plot=False),
+            OperatorFusion(compile="regional"),
+        ],
+    }
+
+
+CELLS: dict[str, Cell] = {
+    c.name: c
+    for c in (
+        Cell("ddp", lambda f: {"strategy": "ddp"}, "replicas identical"),
+        Cell("zero1", _zero(1), "optimizer state per rank <= 0.75 of replicated"),
+        Cell("zero2", _zero(2), "optimizer state and gradients per rank <= 0.75 of replicated"),
+        Cell("zero3", _zero(3), "parameters per rank <= 0.75 of replicated"),
+        Cell("deepspeed2", _zero(2, "deepspeed"), "optimizer state per rank <= 0.75 of replicated"),
+        Cell("deepspeed3", _zero(3, "deepspeed"), "parameters per rank <= 0.75 of replicated"),
+        Cell("powersgd", _compressed, "bytes sent < dense all-reduce bytes"),
+        Cell("bf16", _bf16, "parameters stored in bf16"),
+        Cell("fusion", _fusion, "graphs compiled (compile='regional'), no eager fallback"),
+        Cell("kd", _kd, "distill/kd_loss logged"),
+        Cell("magnitude", _magnitude, "weight sparsity >= 0.45"),
+        Cell("nm_2_4", _nm, "2:4 pattern on the pruned weights"),
+        Cell("structured", _structured, "parameters removed"),
+        Cell("all", _everything, "ZeRO-2 shards + bf16 + graphs + kd_loss + sparsity"),
+    )
+}
+
+
+# ---------------------------------------------------------------------------------------------- measuring
+class _Losses(L.Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.started = False
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self.started = True
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, *args: Any) -> None:
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        self.losses.append(float(loss))
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
+def _is_replica(t: torch.Tensor) -> bool:
+    """Whether every rank holds the whole tensor: not a DTensor shard, not a DeepSpeed-partitioned parameter."""
+    if hasattr(t, "ds_tensor"):
+        return False
+    placements = getattr(t, "placements", None)
+    return placements is None or all(p.is_replicate() for p in placements)
+
+
+def _replica_digest(model: nn.Module) -> tuple[str, int]:
+    """A digest of each replicated parameter as this rank holds it (no gather), and how many were hashed."""
+    h = hashlib.sha256()
+    n = 0
+    for name, p in model.named_parameters():
+        if _is_replica(p):
+            h.update(name.encode())
+            h.update(_local(p).detach().float().cpu().numpy().tobytes())
+            n += 1
+    return h.hexdigest(), n
+
+
+def _state_bytes(trainer: L.Trainer, model: nn.Module) -> dict[str, int]:
+    from lightning_bigtrain.functional.memory import model_state_bytes
+
+    own = getattr(trainer.strategy, "model_state_bytes", None)
+    if callable(own):
+        return dict(own())
+    return model_state_bytes(model, trainer.optimizers[0] if trainer.optimizers else None)
+
+
+def _ours(tb: traceback.StackSummary) -> bool:
+    return bool(tb) and f"{os.sep}lightning_bigtrain{os.sep}" in tb[-1].filename
+
+
+def _dynamo_graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"].get("unique_graphs", 0))
+
+
+def run_cell(rank: int, family_name: str, cell_name: str, workdir: str) -> dict[str, Any]:
+    """Run one cell on this rank (called on every rank by ``tests.helpers.distributed.run_on_ranks``)."""
+    import warnings
+
+    family, cell = FAMILIES[family_name], CELLS[cell_name]
+    L.seed_everything(0, verbose=False)
+    losses = _Losses()
+    out: dict[str, Any] = {"family": family_name, "cell": cell_name}
+    graphs_before = _dynamo_graphs()
+    caught: list[str] = []
+    try:
+        model = _build(family, 0)
+        numel = sum(p.numel() for p in model.parameters())
+        kwargs = cell.kwargs(family)
+        kwargs.setdefault("callbacks", []).append(losses)
+        trainer = L.Trainer(accelerator="cpu", devices=2, max_steps=STEPS, limit_val_batches=0, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                            num_sanity_val_steps=0, default_root_dir=workdir, **kwargs)  # fmt: skip
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            trainer.fit(model, datamodule=_data(family.data))
+        caught = [f"{w.category.__name__}: {w.message}" for w in seen
+                  if "lightning_bigtrain" in w.category.__module__]  # fmt: skip
+    except Exception as err:
+        tb = traceback.extract_tb(err.__traceback__)
+        out.update(status="refused" if (_ours(tb) and not losses.started) else "FAILED",
+                   error=f"{type(err).__name__}: {err}"[:600], where=f"{tb[-1].filename}:{tb[-1].lineno}" if tb else "",
+                   traceback="".join(traceback.format_exception(err))[-3000:] if not _ours(tb) else "")  # fmt: skip
+        return out
+    module = trainer.lightning_module
+    digest, compared = _replica_digest(module)
+    state = _state_bytes(trainer, module)
+    params_now = sum(_local(p).numel() for p in module.parameters() if _is_replica(p))
+    out.update(
+        losses=losses.losses,
+        numel=numel,
+        digest=digest,
+        replicas_compared=compared,
+        state_bytes=state,
+        warnings=caught[:5],
+        evidence=_evidence(cell_name, trainer, module, numel, state, _dynamo_graphs() - graphs_before, params_now),
+    )
+    return out
+
+
+def _sparsity(module: nn.Module) -> tuple[float, bool]:
+    """Fraction of zeros over the >=2-D weights, and whether every such weight with zeros follows 2:4 along its
+    input dimension."""
+    zeros = total = 0
+    nm_ok, any_zeros = True, False
+    for p in module.parameters():
+        if p.ndim < 2:
+            continue
+        w = _local(p).detach()
+        z = int((w == 0).sum())
+        zeros, total = zeros + z, total + w.numel()
+        if z and w.shape[-1] % 4 == 0:
+            any_zeros = True
+            groups = (w.reshape(-1, 4) == 0).sum(-1)
+            nm_ok = nm_ok and bool((groups >= 2).float().mean() > 0.99)
+    return zeros / max(1, total), nm_ok and any_zeros
+
+
+def _evidence(cell: str, trainer: L.Trainer, module: nn.Module, numel: int, state: dict[str, int], graphs: int,
+              params_now: int) -> dict[str, Any]:  # fmt: skip
+    ev: dict[str, Any] = {}
+    full = 4 * numel  # fp32 bytes of one copy of the parameters
+    if cell in ("zero1", "zero2", "deepspeed2", "all"):
+        ev["optimizer_fraction"] = state.get("optimizer", 0) / (2 * full)
+        ev["acted"] = ev["optimizer_fraction"] <= 0.75
+    if cell in ("zero3", "deepspeed3"):
+        ev["params_fraction"] = state.get("params", 0) / full
+        ev["acted"] = ev["params_fraction"] <= 0.75
+    if cell == "powersgd":
+        engine = trainer.strategy.compression_engine  # type: ignore[attr-defined]
+        ev["sent_over_dense"] = engine.sent_bytes / max(1, engine.dense_bytes)
+        ev["acted"] = ev["sent_over_dense"] < 1.0
+    if cell in ("bf16", "all"):
+        dtypes = {str(_local(p).dtype) for p in module.parameters()}
+        ev["param_dtypes"] = sorted(dtypes)
+        ev["acted"] = ev.get("acted", True) and dtypes == {"torch.bfloat16"}
+    if cell in ("fusion", "all"):
+        ev["graphs"] = graphs
+        ev["acted"] = ev.get("acted", True) and graphs > 0
+    if cell in ("kd", "all"):
+        ev["kd_loss"] = float(trainer.callback_metrics.get("distill/kd_loss", float("nan")))
+        ev["acted"] = ev.get("acted", True) and math.isfinite(ev["kd_loss"])
+    if cell in ("magnitude", "nm_2_4", "all"):
+        sparsity, nm = _sparsity(module)
+        ev["sparsity"] = round(sparsity, 3)
+        ev["acted"] = ev.get("acted", True) and (nm if cell == "nm_2_4" else sparsity >= 0.45)
+    if cell == "structured":
+        ev["params_before"], ev["params_after"] = numel, params_now
+        ev["removed"] = round(1 - params_now / numel, 3)
+        ev["acted"] = params_now < numel
+    if cell == "ddp":
+        ev["acted"] = True
+    return ev
+
+
+def classify(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row of the matrix from both ranks' results."""
+    first = results[0]
+    row = {k: first.get(k) for k in ("family", "cell", "status", "error", "where", "traceback")}
+    if "status" in first:
+        return row
+    problems = []
+    losses = first["losses"]
+    if len(losses) < STEPS or not all(math.isfinite(v) for v in losses):
+        problems.append(f"losses not finite or missing: {losses}")
+    elif sum(losses[-3:]) >= sum(losses[:3]):
+        problems.append(f"loss did not fall: {losses[0]:.3f} -> {losses[-1]:.3f}")
+    if len({r["digest"] for r in results}) != 1:
+        problems.append("replicated tensors differ between ranks")
+    if not first["evidence"].get("acted"):
+        problems.append(f"technique did not act: {first['evidence']}")
+    row.update(status="FAILED" if problems else "ok", error="; ".join(problems), evidence=first["evidence"],
+               loss_first=losses[0] if losses else None, loss_last=losses[-1] if losses else None,
+               replicas_compared=first["replicas_compared"], warnings=first["warnings"])  # fmt: skip
+    return row
+
+
+def run(family: str, cell: str, workdir: str) -> dict[str, Any]:
+    from tests.helpers.distributed import run_on_ranks
+
+    try:
+        return classify(run_on_ranks(run_cell, family, cell, workdir, init_process_group=False))
+    except RuntimeError as err:  # a rank died or raised outside the fit
+        return {"family": family, "cell": cell, "status": "FAILED", "error": str(err)[-600:]}
+
+
+# ------------------------------------------------------------------------------------------------- README
+README = Path(__file__).resolve().parents[1] / "README.md"
+_BEGIN, _END = "<!-- conformance:begin -->", "<!-- conformance:end -->"
+_MARK = {"ok": "ok", "refused": "refused", "FAILED": "**FAILED**"}
+
+
+def render(results: dict[str, Any]) -> str:
+    rows = results["rows"]
+    families = list(dict.fromkeys(r["family"] for r in rows))
+    cells = list(dict.fromkeys(r["cell"] for r in rows))
+    at = {(r["family"], r["cell"]): r for r in rows}
+    ok = sum(r["status"] == "ok" for r in rows)
+    refused = sum(r["status"] == "refused" for r in rows)
+    lines = [_BEGIN, f"Measured {results['machine']['time'][:10]} at commit `{results.get('commit', '?')}` "
+             f"(`{results['command']}`; `benchmarks/results/conformance.json`): {ok} ok, {refused} refused with a "
+             f"message, {len(rows) - ok - refused} failed, of {len(rows)} cells.", "",
+             "| family | " + " | ".join(cells) + " |", "|---" * (len(cells) + 1) + "|"]  # fmt: skip
+    for f in families:
+        lines.append(
+            f"| {f} | " + " | ".join(_MARK[at[(f, c)]["status"]] if (f, c) in at else "-" for c in cells) + " |"
+        )
+    notes = [r for r in rows if r["status"] != "ok"]
+    if notes:
+        lines.append("")
+        for r in notes:
+            lines.append(f"- {r['family']} x {r['cell']} ({r['status']}): {str(r.get('error', ''))[:240]}")
+    lines.append(_END)
+    return "\n".join(lines)
+
+
+def render_readme(results_path: Path, readme: Path = README) -> bool:
+    import json
+
+    text = readme.read_text()
+    start, end = text.index(_BEGIN), text.index(_END) + len(_END)
+    new = text[:start] + render(json.loads(results_path.read_text())) + text[end:]
+    readme.write_text(new)
+    return new != text
+
+
+def main(argv: list[str] | None = None) -> int:
+    import subprocess
+    import tempfile
+
+    from benchmarks.common import RESULTS_DIR, print_table, write_results
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES))
+    parser.add_argument("--cells", nargs="+", default=list(CELLS), choices=list(CELLS))
+    parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--render", action="store_true", help="only re-render the README block from the results")
+    args = parser.parse_args(argv)
+    if args.render:
+        render_readme(args.results_dir / "conformance.json")
+        return 0
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=Path(__file__).parent).stdout.strip()  # fmt: skip
+    command = " ".join(["python -m benchmarks.conformance", *(argv if argv is not None else sys.argv[1:])])
+    rows: list[dict[str, Any]] = []
+    for family in args.families:
+        for cell in args.cells:
+            with tempfile.TemporaryDirectory() as tmp:
+                row = run(family, cell, tmp)
+            print(f"{family} x {cell}: {row['status']} {row.get('error') or row.get('evidence')}", flush=True)
+            rows.append(row)
+            ok = sum(r["status"] == "ok" for r in rows)
+            path = write_results("conformance", {"commit": commit, "command": command, "rows": rows},
+                                 f"{ok}/{len(rows)} cells ok", args.results_dir)  # fmt: skip
+    print_table(rows, ["family", "cell", "status", "error"])
+    if args.results_dir == RESULTS_DIR and set(args.families) == set(FAMILIES) and set(args.cells) == set(CELLS):
+        render_readme(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
