@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -30,13 +30,19 @@ def auto_wrap_targets(module: nn.Module, min_params: int = 100_000) -> list[nn.M
        ``min_params`` parameters whose children are all below it.
 
     The root is never returned: the caller shards it last, catching the remaining parameters.
+
+    A submodule holding a parameter that a module outside it also holds (tied weights: an LM head sharing the
+    token embedding, as GPT-2, T5 and most language models do) is never a unit of its own: a parameter can
+    belong to one sharding unit only, so tied weights stay together in the enclosing unit (the root).
     """
+    shared = _shares_outside(module)
     blocks: list[nn.Module] = []
     for parent in module.modules():
         if isinstance(parent, _CONTAINERS):
             children = [c for c in parent.children() if not isinstance(c, _CONTAINERS)]
             counts = Counter(type(c) for c in children)
             blocks += [c for c in children if counts[type(c)] >= 2 and _num_params(c) >= min_params]
+    blocks = [b for b in blocks if not shared(b)]
     if blocks:
         return _outermost(blocks)
     large = [
@@ -46,8 +52,29 @@ def auto_wrap_targets(module: nn.Module, min_params: int = 100_000) -> list[nn.M
         and not isinstance(m, _CONTAINERS)
         and _num_params(m) >= min_params
         and all(_num_params(c) < min_params for c in m.children())
+        and not shared(m)
     ]
     return _outermost(large)
+
+
+def _shares_outside(root: nn.Module) -> Callable[[nn.Module], bool]:
+    """A test: does a submodule hold a parameter that some module outside its subtree holds too?"""
+    holders: dict[int, list[nn.Module]] = {}
+    for m in root.modules():
+        for p in m._parameters.values():
+            if p is not None:
+                holders.setdefault(id(p), []).append(m)
+    tied = {pid for pid, ms in holders.items() if len(ms) > 1}
+    if not tied:
+        return lambda m: False
+
+    def shared(module: nn.Module) -> bool:
+        inside = {id(m) for m in module.modules()}
+        return any(
+            any(id(h) not in inside for h in holders[id(p)]) for p in module.parameters() if id(p) in tied
+        )
+
+    return shared
 
 
 def _outermost(candidates: list[nn.Module]) -> list[nn.Module]:

@@ -571,7 +571,37 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self.options.broadcast_buffers and self.world_size > 1:
             self._broadcast_buffers()
-        return super().training_step(*args, **kwargs)
+        assert self.precision_plugin is not None
+        with self.precision_plugin.train_step_context():
+            return self._step("training_step", *args, **kwargs)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.val_step_context():
+            return self._step("validation_step", *args, **kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.test_step_context():
+            return self._step("test_step", *args, **kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.predict_step_context():
+            return self._step("predict_step", *args, **kwargs)
+
+    def _step(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        """Run the LightningModule's step *through its call*, when FSDP2 shards it (stage 3, offload).
+
+        The root sharding unit is the LightningModule itself: FSDP2 gathers the root's own parameters (those
+        outside every block: embeddings, a tied LM head, final norms) in its forward hook, and reduce-scatters
+        their gradients after backward. Lightning calls ``training_step`` directly, so a step that calls a
+        submodule instead of ``self(...)`` (``self.model(input_ids, labels=...)``, as Hugging Face users write)
+        would meet sharded root parameters. As Lightning does for wrapped models, the step is called with the
+        module's ``forward`` redirected to it, so the root's hooks run around every step.
+        """
+        module = self.lightning_module
+        assert module is not None and self.model is not None
+        if self.model is module and is_fully_sharded(self.model):
+            return self._forward_redirection(self.model, module, name, *args, **kwargs)
+        return getattr(module, name)(*args, **kwargs)
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         # DCP saves one copy of replicated (non-sharded) tensors from an arbitrary rank: make it rank 0's.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -76,6 +77,50 @@ def test_weights_match_ddp_after_20_steps_with_clipping_accumulation_and_frozen_
         # addends, then the same averaging): agreement to float32 round-off.
         for name in _ZERO:
             torch.testing.assert_close(r[name], r["ddp"], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _hf_parity(rank: int) -> dict[str, torch.Tensor]:
+    """Hugging Face's GPT-2 (its LM head tied to the token embedding), with a step that calls the submodule
+    (`self.model(input_ids=x, labels=x).loss`), never the LightningModule's own forward."""
+    from benchmarks.conformance import FAMILIES, _build
+
+    out = {}
+    for name in ("ddp", "zero3"):
+        L.seed_everything(0, verbose=False)
+        model = _build(FAMILIES["hf_gpt2"], 0)
+        strategy = "ddp" if name == "ddp" else ZeroStrategy(stage=3, min_wrap_params=1000)
+        trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=6, limit_val_batches=0,
+                            enable_checkpointing=False, **_QUIET)  # fmt: skip
+        trainer.fit(model, datamodule=_data())
+        gpt = model.model
+        out[f"{name}_tied"] = torch.tensor(gpt.lm_head.weight is gpt.transformer.wte.weight)
+        out[name] = _params(model)
+    return out
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
+def test_zero3_trains_tied_embeddings_when_the_step_calls_a_submodule():
+    for r in run_on_ranks(_hf_parity, init_process_group=False):
+        assert r["zero3_tied"] and r["ddp_tied"], "the LM head and the token embedding stay one parameter"
+        torch.testing.assert_close(r["zero3"], r["ddp"], rtol=1e-5, atol=1e-6)
+
+
+def test_tied_weights_stay_in_one_sharding_unit():
+    from lightning_bigtrain.functional.sharding import auto_wrap_targets
+
+    class Tied(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = torch.nn.Embedding(1000, 64)
+            self.body = torch.nn.Linear(64, 64)
+            self.head = torch.nn.Linear(64, 1000, bias=False)
+            self.head.weight = self.embed.weight
+
+    model = Tied()
+    # Without the tie, the embedding and the head would each be a unit of their own.
+    assert auto_wrap_targets(model, min_params=10_000) == []
+    model.head.weight = torch.nn.Parameter(model.embed.weight.detach().clone())
+    assert auto_wrap_targets(model, min_params=10_000) == [model.embed, model.head]
 
 
 def _model_at_init() -> FrozenPosGPT:
