@@ -454,22 +454,22 @@ def run_cell(rank: int, family_name: str, cell_name: str, workdir: str) -> dict[
     return out
 
 
-def _sparsity(module: nn.Module) -> tuple[float, bool]:
-    """Fraction of zeros over the >=2-D weights, and whether every such weight with zeros follows 2:4 along its
-    input dimension."""
+def _sparsity(trainer: L.Trainer, module: nn.Module) -> tuple[float, bool]:
+    """Fraction of zeros over the weights the pruning callback chose, and whether each follows 2:4 along its input
+    dimension (Hugging Face's Conv1D stores that dimension first)."""
+    from lightning_bigtrain.callbacks import MagnitudePruning
+
+    callback = next(c for c in trainer.callbacks if isinstance(c, MagnitudePruning))  # type: ignore[attr-defined]
+    named = dict(module.named_parameters(remove_duplicate=False))
     zeros = total = 0
-    nm_ok, any_zeros = True, False
-    for p in module.parameters():
-        if p.ndim < 2:
-            continue
-        w = _local(p).detach()
-        z = int((w == 0).sum())
-        zeros, total = zeros + z, total + w.numel()
-        if z and w.shape[-1] % 4 == 0:
-            any_zeros = True
-            groups = (w.reshape(-1, 4) == 0).sum(-1)
-            nm_ok = nm_ok and bool((groups >= 2).float().mean() > 0.99)
-    return zeros / max(1, total), nm_ok and any_zeros
+    nm_ok = bool(callback.names)
+    for name in callback.names:
+        w = _local(named[name]).detach()
+        w = w.t() if name in callback._transposed else w
+        zeros, total = zeros + int((w == 0).sum()), total + w.numel()
+        if w.shape[-1] % 4 == 0:
+            nm_ok = nm_ok and bool(((w.reshape(-1, 4) == 0).sum(-1) >= 2).all())
+    return zeros / max(1, total), nm_ok
 
 
 def _evidence(cell: str, trainer: L.Trainer, module: nn.Module, numel: int, state: dict[str, int], graphs: int,
@@ -497,7 +497,7 @@ def _evidence(cell: str, trainer: L.Trainer, module: nn.Module, numel: int, stat
         ev["kd_loss"] = float(trainer.callback_metrics.get("distill/kd_loss", float("nan")))
         ev["acted"] = ev.get("acted", True) and math.isfinite(ev["kd_loss"])
     if cell in ("magnitude", "nm_2_4", "all"):
-        sparsity, nm = _sparsity(module)
+        sparsity, nm = _sparsity(trainer, module)
         ev["sparsity"] = round(sparsity, 3)
         ev["acted"] = ev.get("acted", True) and (nm if cell == "nm_2_4" else sparsity >= 0.45)
     if cell == "structured":

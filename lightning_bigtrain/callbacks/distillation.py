@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,10 @@ class DistillationOptions:
         teacher_class: ``"package.module.Class"`` that rebuilds a teacher given as a checkpoint path; default: the
             student's class (``load_from_checkpoint`` reads the teacher's own hyperparameters).
         rebuild_cache: Overwrite a cache file written for another teacher instead of refusing it.
+        teacher_call: How to call a teacher whose forward takes other inputs than the student's:
+            ``teacher_call(teacher, *args, **kwargs)`` gets the student's call and returns the teacher's logits
+            (e.g. ``lambda teacher, x: teacher(x, x)`` for Lightning's demo Transformer, whose forward takes
+            ``(inputs, target)``). Default: the teacher is called exactly as the student was.
     """
 
     alpha_end: float | None = None
@@ -57,6 +62,7 @@ class DistillationOptions:
     teacher_module: str = ""
     teacher_class: str | None = None
     rebuild_cache: bool = False
+    teacher_call: Callable[..., Any] | None = None
 
 
 def _logs_this_step(trainer: L.Trainer) -> bool:
@@ -117,6 +123,36 @@ def _width(module: nn.Module, name: str) -> tuple[int, bool]:
         f"({type(module).__name__}); name a Linear, Conv, BatchNorm2d, LayerNorm or Embedding layer, or a block "
         "that ends in one."
     )
+
+
+def _has_submodule(root: nn.Module | None, name: str) -> bool:
+    try:
+        return root is not None and isinstance(root.get_submodule(name), nn.Module)
+    except AttributeError:
+        return False
+
+
+def _check_call(teacher: nn.Module, args: tuple, kwargs: dict, name: str) -> None:
+    """Refuse, with what to do, a teacher whose forward cannot take the student's call (instead of the
+    teacher's own TypeError from deep inside the step)."""
+    import inspect
+
+    try:
+        signature = inspect.signature(teacher.forward)
+    except (TypeError, ValueError):  # a builtin or C++ forward: nothing to check
+        return
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as err:
+        given = [type(a).__name__ for a in args] + [f"{k}=" for k in kwargs]
+        who = f"teacher.{name}" if name else "teacher"
+        raise TypeError(
+            f"KnowledgeDistillation: the {who} ({type(teacher).__name__}.forward{signature}) cannot be called "
+            f"the way the student was called ({', '.join(given)}): {err}. Pass "
+            "DistillationOptions(teacher_call=lambda teacher, *args, **kwargs: ...) returning the teacher's logits "
+            "(e.g. `lambda teacher, x: teacher(x, x)`), or name matching submodules in "
+            "DistillationOptions(student_module=..., teacher_module=...)."
+        ) from None
 
 
 class KnowledgeDistillation(L.Callback):
@@ -223,6 +259,9 @@ class KnowledgeDistillation(L.Callback):
         self._misses = 0
         self._checked_shapes = False
         self._pending_projections: dict[str, torch.Tensor] | None = None
+        self._children: dict[str, dict[str, Any]] = {}
+        self._teacher_target: str = ""
+        self._signature_checked = False
 
     # -- setup --
     def _load_teacher(self, pl_module: L.LightningModule) -> nn.Module:
@@ -261,6 +300,14 @@ class KnowledgeDistillation(L.Callback):
         teacher_out = _submodule(teacher, self.options.teacher_module, "teacher")
         self._hooks.append(student_out.register_forward_hook(self._capture_student, with_kwargs=True))
         self._hooks.append(teacher_out.register_forward_hook(self._capture_teacher_logits))
+        if not self.options.student_module:
+            # A step that calls a submodule instead of `self(x)` (Hugging Face users write
+            # `self.model(input_ids, labels=...)`): the submodule's call is the student's, and the teacher's
+            # submodule of the same name (or the teacher itself) is called the same way.
+            for name, child in pl_module.named_children():
+                hook = child.register_forward_hook(self._capture_child(name), with_kwargs=True)
+                self._hooks.append(hook)
+        self._signature_checked = False
         if self.features:
             projections = nn.ModuleDict()
             for i, (s_name, t_name) in enumerate(self.features.items()):
@@ -352,6 +399,13 @@ class KnowledgeDistillation(L.Callback):
         if self._capturing and "output" not in self._student:
             self._student.update(args=args, kwargs=kwargs, output=output)
 
+    def _capture_child(self, name: str) -> Any:
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            if self._capturing and name not in self._children:
+                self._children[name] = {"args": args, "kwargs": kwargs, "output": output}
+
+        return hook
+
     def _capture_teacher_logits(self, module: nn.Module, args: tuple, output: Any) -> None:
         self._teacher_out = output
 
@@ -375,9 +429,10 @@ class KnowledgeDistillation(L.Callback):
         args, kwargs = self._student["args"], self._student["kwargs"]
         keys = None
         if self.cache is not None:
-            if not args or not isinstance(args[0], torch.Tensor):
+            first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+            if first is None:
                 raise TypeError("KnowledgeDistillation(cache=...): the student's forward gets no input tensor to key.")
-            keys = sample_keys(args[0])
+            keys = sample_keys(first)
             hit = self.cache.get(keys)
             if hit is not None:
                 self._hits += 1
@@ -392,9 +447,18 @@ class KnowledgeDistillation(L.Callback):
                     BigtrainWarning,
                 )
         self._teacher_out = None
+        direct = self._teacher_target and not self.options.teacher_module  # the same-named submodule, called
+        target = self.teacher.get_submodule(self._teacher_target) if direct else self.teacher
+        if self.options.teacher_call is None and not self._signature_checked:
+            _check_call(target, args, kwargs, self._teacher_target)
+        self._signature_checked = True
         with torch.no_grad(), trainer.precision_plugin.forward_context():
-            self.teacher(*args, **kwargs)
-        logits = _first_tensor(self._teacher_out, "teacher")
+            if self.options.teacher_call is not None:
+                returned = self.options.teacher_call(target, *args, **kwargs)
+            else:
+                returned = target(*args, **kwargs)
+        # With teacher_module, the logits are that layer's output (its hook); otherwise what the call returned.
+        logits = _first_tensor(self._teacher_out if self.options.teacher_module else returned, "teacher")
         self._teacher_out = None
         if keys is not None and self.cache is not None:
             values, indices, log_partition = topk_logits(logits, self.cache.k, self.temperature)
@@ -406,6 +470,7 @@ class KnowledgeDistillation(L.Callback):
     def _training_step(self, pl_module: L.LightningModule, original: Any, *args: Any, **kwargs: Any) -> Any:
         trainer = pl_module.trainer
         self._student = {}
+        self._children = {}
         self._student_feats.clear()  # the feature hooks hold these dicts
         self._teacher_feats.clear()
         self._capturing = True
@@ -416,11 +481,17 @@ class KnowledgeDistillation(L.Callback):
         if out is None:
             return out  # the step was skipped by the module
         task = out if isinstance(out, torch.Tensor) else out["loss"]
+        self._teacher_target = self.options.teacher_module
+        if "output" not in self._student and len(self._children) == 1:
+            ((name, call),) = self._children.items()
+            self._student = call
+            self._teacher_target = self.options.teacher_module or (name if _has_submodule(self.teacher, name) else "")
         if "output" not in self._student:
             where = self.options.student_module or "the LightningModule's forward"
+            called = f" (it called {', '.join(f'`self.{n}`' for n in self._children)})" if self._children else ""
             raise RuntimeError(
-                f"KnowledgeDistillation: training_step never called {where}, so there are no student logits. Name "
-                "the submodule that returns them in DistillationOptions(student_module=...)."
+                f"KnowledgeDistillation: training_step never called {where}{called}, so there are no student "
+                "logits. Name the submodule that returns them in DistillationOptions(student_module=...)."
             )
         student = _first_tensor(self._student["output"], "student")
         self._student_logits = student

@@ -35,6 +35,19 @@ Criterion = Literal["magnitude", "movement"]
 _PRUNABLE = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
 
+_MHA_WEIGHTS = ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight")
+
+
+def _is_hf_conv1d(module: nn.Module) -> bool:
+    """Hugging Face's ``Conv1D`` (GPT-2's projections): a linear layer whose weight is stored ``(in, out)``."""
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and getattr(module, "weight", None) is not None
+
+
+def _input_last(module: nn.Module) -> bool:
+    """Whether the layer's weight runs along its input dimension last (everything but Hugging Face's Conv1D)."""
+    return not _is_hf_conv1d(module)
+
+
 @dataclass(frozen=True, kw_only=True)
 class PruningSchedule:
     """When :class:`MagnitudePruning` prunes, in optimizer steps (``trainer.global_step``).
@@ -123,7 +136,8 @@ class MagnitudePruning(L.Callback):
             masks are set, reset the surviving weights to it. The optimizer's state and the learning-rate
             schedule continue.
         parameters: Names of the parameters to prune (``fnmatch`` patterns such as ``"features.*.weight"``);
-            default: the ``weight`` of every Linear and Conv layer.
+            default: the ``weight`` of every Linear and Conv layer (Hugging Face's ``Conv1D`` included) and the
+            input projections of ``nn.MultiheadAttention``.
         plot: Save a per-layer sparsity bar chart (needs matplotlib) at the end of training.
     """
 
@@ -176,6 +190,7 @@ class MagnitudePruning(L.Callback):
         self.parameters = list(parameters) if parameters is not None else None
         self.plot = plot
         self.names: list[str] = []
+        self._transposed: set[str] = set()
         self._masks: dict[str, torch.Tensor] = {}  # local (shard) masks, True keeps
         self._scores: dict[str, torch.Tensor] = {}  # movement scores (local)
         self._snapshot: dict[str, torch.Tensor] | None = None  # rewind copy (local)
@@ -216,11 +231,15 @@ class MagnitudePruning(L.Callback):
         """Names of the parameters to prune: validated, each tensor once, frozen ones left out with a warning."""
         named = dict(module.named_parameters(remove_duplicate=False))
         if self.parameters is None:
-            candidates = [
-                f"{prefix}.weight" if prefix else "weight"
-                for prefix, sub in module.named_modules(remove_duplicate=False)
-                if isinstance(sub, _PRUNABLE) and isinstance(getattr(sub, "weight", None), nn.Parameter)
-            ]
+            candidates = []
+            for prefix, sub in module.named_modules(remove_duplicate=False):
+                dot = f"{prefix}." if prefix else ""
+                if (isinstance(sub, _PRUNABLE) or _is_hf_conv1d(sub)) and isinstance(
+                    getattr(sub, "weight", None), nn.Parameter
+                ):
+                    candidates.append(f"{dot}weight")
+                elif isinstance(sub, nn.MultiheadAttention):  # its input projections are bare parameters
+                    candidates += [f"{dot}{n}" for n in _MHA_WEIGHTS if isinstance(getattr(sub, n, None), nn.Parameter)]
         else:
             candidates = []
             for pattern in self.parameters:
@@ -262,11 +281,13 @@ class MagnitudePruning(L.Callback):
                 f"MagnitudePruning: {type(module).__name__} has no trainable Linear/Conv weight to prune; name the "
                 "parameters with `parameters=[...]`."
             )
+        owners = dict(module.named_modules(remove_duplicate=False))
+        self._transposed = {name for name in chosen if not _input_last(owners.get(name.rpartition(".")[0], module))}
         if self.nm is not None:
             bad = [
                 f"{name} {tuple(named[name].shape)} ({reason})"
                 for name in chosen
-                if (reason := check_nm_shape(named[name].shape, self.nm[1])) is not None
+                if (reason := check_nm_shape(self._input_last_shape(name, named[name]), self.nm[1])) is not None
             ]
             if bad:
                 raise ValueError(
@@ -368,6 +389,10 @@ class MagnitudePruning(L.Callback):
 
     # ----------------------------------------------------------------------------------------- mechanics
 
+    def _input_last_shape(self, name: str, param: torch.Tensor) -> tuple[int, ...]:
+        shape = tuple(param.shape)
+        return (shape[1], shape[0]) if name in self._transposed and len(shape) == 2 else shape
+
     def _params(self, module: nn.Module) -> dict[str, torch.Tensor]:
         named = dict(module.named_parameters(remove_duplicate=False))
         return {name: named[name] for name in self.names}
@@ -380,7 +405,9 @@ class MagnitudePruning(L.Callback):
         else:
             scores = [magnitude_scores(locals_[name], self._masks.get(name)) for name in params]
         if self.nm is not None:
-            masks = [nm_mask(s, *self.nm) for s in scores]
+            # N:M groups run along the input dimension: Hugging Face's Conv1D stores it first.
+            masks = [nm_mask(s.t(), *self.nm).t() if name in self._transposed else nm_mask(s, *self.nm)
+                     for name, s in zip(params, scores, strict=True)]  # fmt: skip
         else:
             sharded = [isinstance(p, DTensor) for p in params.values()]
             group = None

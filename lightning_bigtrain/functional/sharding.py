@@ -70,9 +70,7 @@ def _shares_outside(root: nn.Module) -> Callable[[nn.Module], bool]:
 
     def shared(module: nn.Module) -> bool:
         inside = {id(m) for m in module.modules()}
-        return any(
-            any(id(h) not in inside for h in holders[id(p)]) for p in module.parameters() if id(p) in tied
-        )
+        return any(any(id(h) not in inside for h in holders[id(p)]) for p in module.parameters() if id(p) in tied)
 
     return shared
 

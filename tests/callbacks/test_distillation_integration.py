@@ -189,3 +189,76 @@ def test_cache_on_an_s3_compatible_server(s3_bucket):
     for runs in run_on_ranks(_s3_cache, url, init_process_group=False):
         assert runs == [(0, 2), (2, 0)]  # filled and written; then read back: all hits
     assert fs.exists(f"{bucket}/kd/teacher.pt")
+
+
+class _SubmoduleStep(L.LightningModule):
+    """A step that calls a submodule (`self.net(...)` with keyword arguments, as Hugging Face users write), never
+    the LightningModule's own forward."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        from lightning_bigtrain.models import CharGPT
+
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            self.net = CharGPT(block_size=16, n_layer=1, n_head=2, n_embd=32)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        logits = self.net(idx=x)
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+class _OneInput(_SubmoduleStep):
+    """A student whose forward takes one tensor."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        logits = self(x)
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def _text() -> L.LightningDataModule:
+    from lightning_bigtrain.data import ShakespeareDataModule
+
+    return ShakespeareDataModule(block_size=16, batch_size=4, subset=32)
+
+
+def test_a_step_that_calls_a_submodule_is_distilled_through_the_teachers_same_submodule():
+    kd = KnowledgeDistillation(_SubmoduleStep(seed=7), alpha=1.0)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=3, limit_val_batches=0, callbacks=[kd], **_QUIET)
+    student = _SubmoduleStep(seed=0)
+    trainer.fit(student, datamodule=_text())
+    assert torch.isfinite(trainer.callback_metrics["distill/kd_loss"])
+    # alpha=1: the loss is the distillation loss alone, so the step's output is the KD loss, not the task loss.
+    assert trainer.callback_metrics["distill/kd_loss"] != trainer.callback_metrics["distill/task_loss"]
+
+
+def test_a_teacher_whose_forward_takes_other_inputs_is_refused_with_what_to_do_and_teacher_call_works():
+    from lightning.pytorch.demos.transformer import Transformer
+
+    def teacher() -> Transformer:
+        with torch.random.fork_rng():
+            torch.manual_seed(3)
+            return Transformer(vocab_size=96, ninp=32, nhead=2, nhid=32, nlayers=1, dropout=0.0)
+
+    def fit(options: DistillationOptions) -> L.Trainer:
+        kd = KnowledgeDistillation(teacher(), options=options)
+        trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, limit_val_batches=0, callbacks=[kd], **_QUIET)
+        trainer.fit(_OneInput(seed=0), datamodule=_text())
+        return trainer
+
+    with pytest.raises(
+        TypeError,
+        match=r"teacher \(Transformer.forward\(inputs: torch.Tensor, target.*DistillationOptions\(teacher_call=",
+    ):
+        fit(DistillationOptions())
+    # The demo's forward takes (inputs, target) and returns log-probabilities flattened to (B*T, V).
+    trainer = fit(DistillationOptions(teacher_call=lambda t, x: t(x, x).view(*x.shape, -1)))
+    assert torch.isfinite(trainer.callback_metrics["distill/kd_loss"])
