@@ -295,8 +295,8 @@ def _kd(family: Family) -> dict[str, Any]:
 def _magnitude(family: Family) -> dict[str, Any]:
     from lightning_bigtrain.callbacks import MagnitudePruning, PruningSchedule
 
-    return {"strategy": "ddp",
-            "callbacks": [MagnitudePruning(0.5, schedule=PruningSchedule(start=1, end=4, frequency=1), plot=False)]}  # fmt: skip
+    schedule = PruningSchedule(start=1, end=4, frequency=1)
+    return {"strategy": "ddp", "callbacks": [MagnitudePruning(0.5, schedule=schedule, plot=False)]}
 
 
 def _nm(family: Family) -> dict[str, Any]:
@@ -477,8 +477,13 @@ def _evidence(cell: str, trainer: L.Trainer, module: nn.Module, numel: int, stat
     ev: dict[str, Any] = {}
     full = 4 * numel  # fp32 bytes of one copy of the parameters
     if cell in ("zero1", "zero2", "deepspeed2", "all"):
+        # Per-rank optimizer state over an Adam state of the whole model (2 fp32 copies); SGD without momentum
+        # (Lightning's demo) has none, so its shard is empty too.
         ev["optimizer_fraction"] = state.get("optimizer", 0) / (2 * full)
         ev["acted"] = ev["optimizer_fraction"] <= 0.75
+    if cell in ("zero2", "deepspeed2"):
+        ev["grads_fraction"] = state.get("grads", 0) / full
+        ev["acted"] = ev["acted"] and ev["grads_fraction"] <= 0.75
     if cell in ("zero3", "deepspeed3"):
         ev["params_fraction"] = state.get("params", 0) / full
         ev["acted"] = ev["params_fraction"] <= 0.75

@@ -289,11 +289,26 @@ class MagnitudePruning(L.Callback):
                 for name in chosen
                 if (reason := check_nm_shape(self._input_last_shape(name, named[name]), self.nm[1])) is not None
             ]
-            if bad:
+            if bad and self.parameters is not None:
                 raise ValueError(
                     f"MagnitudePruning(pattern={self.pattern!r}) cannot apply to: {'; '.join(bad)}. Leave these out "
                     "with `parameters=[...]`."
                 )
+            if bad:
+                # The default choice: layers whose shape cannot take the pattern (a depthwise 7x7 convolution, a
+                # layer of odd width) stay dense, as sparse kernels would skip them too.
+                fits = [n for n in chosen if check_nm_shape(self._input_last_shape(n, named[n]), self.nm[1]) is None]
+                if not fits:
+                    raise ValueError(
+                        f"MagnitudePruning(pattern={self.pattern!r}): no weight of {type(module).__name__} can take "
+                        f"the pattern: {'; '.join(bad[:5])}."
+                    )
+                warn_once(
+                    f"MagnitudePruning(pattern={self.pattern!r}) leaves {len(bad)} weight(s) dense whose shape "
+                    f"cannot take it: {'; '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}.",
+                    BigtrainWarning,
+                )
+                chosen = fits
         return chosen
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -67,5 +67,7 @@ def repeated_blocks(module: nn.Module, min_count: int = 2) -> list[nn.Module]:
             continue
         if len(list(m.children())) == 0:  # a single layer (Linear, LayerNorm): nothing to fuse across
             continue
+        if isinstance(m, (nn.ModuleList, nn.ModuleDict)):  # never called: compiling its call compiles nothing
+            continue
         chosen.append(m)
     return chosen

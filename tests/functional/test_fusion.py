@@ -42,3 +42,7 @@ def test_repeated_blocks_are_the_outermost_repeated_modules():
     gpt = CharGPT(n_layer=3, n_embd=32, n_head=2, block_size=16)
     assert [type(m).__name__ for m in repeated_blocks(gpt)] == ["Block"] * 3
     assert repeated_blocks(FashionCNN()) == []  # no repeated composite module: regional falls back to full
+    # nn.Transformer holds its layers in two ModuleLists (never called themselves): the layers are the blocks.
+    t = nn.Transformer(d_model=16, nhead=2, num_encoder_layers=2, num_decoder_layers=2, dim_feedforward=16)
+    names = [type(m).__name__ for m in repeated_blocks(t)]
+    assert names == ["TransformerEncoderLayer"] * 2 + ["TransformerDecoderLayer"] * 2

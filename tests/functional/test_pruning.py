@@ -161,7 +161,10 @@ def test_parameter_choice_names_the_problem():
         MagnitudePruning(0.5, parameters=["head.*"])._choose(cnn)
     # 2:4 needs the input size to divide by 4: the first conv has 1 * 3 * 3 inputs per output.
     with pytest.raises(ValueError, match=r"cannot apply to: features\.0\.weight \(8, 1, 3, 3\) \(its input size 9"):
-        MagnitudePruning(pattern="2:4")._choose(cnn)
+        MagnitudePruning(pattern="2:4", parameters=["features.0.weight"])._choose(cnn)
+    # By default such a layer stays dense, named in a warning (sparse kernels skip it too).
+    with pytest.warns(BigtrainWarning, match=r"leaves 1 weight\(s\) dense.*features\.0\.weight \(8, 1, 3, 3\)"):
+        assert MagnitudePruning(pattern="2:4")._choose(cnn) == ["features.4.weight", "classifier.weight"]
     cnn.features[0].weight.requires_grad_(False)
     with pytest.warns(BigtrainWarning, match=r"frozen parameter\(s\) left unpruned.*features\.0\.weight"):
         assert MagnitudePruning(0.5)._choose(cnn) == ["features.4.weight", "classifier.weight"]
