@@ -75,6 +75,10 @@ def _tiny_cnn() -> FashionCNN:
     return FashionCNN(channels=(8, 16))
 
 
+def _nm_named_cnn() -> Any:
+    return MagnitudePruning(pattern="2:4", parameters=["features.*.weight"])._choose(_tiny_cnn())
+
+
 def _tiny_fashion() -> FashionMNISTDataModule:
     return FashionMNISTDataModule(batch_size=16, subset=96)
 
@@ -324,7 +328,7 @@ SETTINGS: tuple[Setting, ...] = (
         bad_inputs=(
             BadInput("sparsity_one", lambda: MagnitudePruning(1.0), ValueError,
                      r"MagnitudePruning\(sparsity=1.0\): must be a fraction in \[0, 1\)"),
-            BadInput("nm_indivisible", lambda: MagnitudePruning(pattern="2:4", parameters=["features.*.weight"])._choose(_tiny_cnn()), ValueError,
+            BadInput("nm_indivisible", _nm_named_cnn, ValueError,
                      r"pattern='2:4'\) cannot apply to: features\.0\.weight"),
             BadInput("schedule_fraction", lambda: PruningSchedule(end=2.0), ValueError, r"PruningSchedule\(end=2.0\)"),
         ),
