@@ -599,7 +599,10 @@ class StructuredPruning(L.Callback):
         self.groups: list[Any] = []
         self._original: dict[int, int] = {}
         self._example: tuple[Any, ...] | None = None
-        self._hook: Any = None
+        self._example_kwargs: dict[str, Any] = {}
+        self._target = ""  # the submodule traced ("" for the LightningModule itself)
+        self._calls: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {}
+        self._hooks: list[Any] = []
         self._taylor: dict[str, torch.Tensor] = {}
         self._steps: tuple[int, int, int] = (0, 0, 1)
         self._last_event = -1
@@ -649,15 +652,44 @@ class StructuredPruning(L.Callback):
             self._example = example if isinstance(example, tuple) else (example,)
             return
 
-        def capture(module: nn.Module, args: tuple[Any, ...]) -> None:
-            # Lightning calls the module with the training_step's arguments while `forward` is redirected to
-            # training_step (so that DDP sees one forward); only calls of the real forward carry the model's input.
-            if getattr(module.forward, "__func__", None) is not type(module).forward:
-                return
-            if self._example is None:
-                self._example = tuple(a.detach()[:2] if isinstance(a, torch.Tensor) else a for a in args)
+        def first_two(value: Any) -> Any:
+            return value.detach()[:2] if isinstance(value, torch.Tensor) and value.ndim else value
 
-        self._hook = pl_module.register_forward_pre_hook(capture)
+        def capture(name: str) -> Any:
+            def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+                # Lightning calls the module with the training_step's arguments while `forward` is redirected to
+                # training_step (so that DDP sees one forward); only calls of the real forward carry its input.
+                if not name and getattr(module.forward, "__func__", None) is not type(module).forward:
+                    return
+                if name not in self._calls:
+                    self._calls[name] = (tuple(first_two(a) for a in args),
+                                         {k: first_two(v) for k, v in kwargs.items()})  # fmt: skip
+
+            return hook
+
+        # The model is traced on the input of its first training step: the LightningModule's own forward, or, for a
+        # step that calls a submodule instead (`self.model(input_ids=..., labels=...)`, as Hugging Face users
+        # write), that submodule's call.
+        self._hooks = [pl_module.register_forward_pre_hook(capture(""), with_kwargs=True)]
+        self._hooks += [child.register_forward_pre_hook(capture(name), with_kwargs=True)
+                        for name, child in pl_module.named_children()]  # fmt: skip
+
+    def _choose_example(self, pl_module: L.LightningModule) -> None:
+        calls, self._calls = self._calls, {}
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        if "" in calls:
+            self._target, (self._example, self._example_kwargs) = "", calls[""]
+        elif len(calls) == 1:
+            self._target, (self._example, self._example_kwargs) = next(iter(calls.items()))
+        elif calls:
+            warn_once(
+                f"StructuredPruning: training_step called {', '.join(f'`self.{n}`' for n in calls)} but not the "
+                f"module's own forward; set `{type(pl_module).__name__}.example_input_array` to an input of its "
+                "forward so the whole model can be traced.",
+                NoEffectWarning,
+            )
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
         if self.importance != "taylor" or self._done:
@@ -669,6 +701,8 @@ class StructuredPruning(L.Callback):
                 self._taylor[name] = score if previous is None or previous.shape != score.shape else previous + score
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        if self._hooks:
+            self._choose_example(pl_module)
         step = trainer.global_step - 1  # the optimizer step that just ran
         if self._done or step <= self._last_event or self._example is None:
             return
@@ -683,9 +717,6 @@ class StructuredPruning(L.Callback):
         if final:
             self._done = True
             self._taylor.clear()
-            if self._hook is not None:
-                self._hook.remove()
-                self._hook = None
 
     def _prune(self, trainer: L.Trainer, pl_module: L.LightningModule, amount: float) -> None:
         from lightning_bigtrain.functional.structured import (
@@ -698,8 +729,11 @@ class StructuredPruning(L.Callback):
         assert self._example is not None
         was_training = {m: m.training for m in pl_module.modules()}
         pl_module.eval()  # tracing runs the model: no BatchNorm statistics update, no dropout draws
+        model = pl_module.get_submodule(self._target) if self._target else pl_module
+        prefix = f"{self._target}." if self._target else ""
+        ignore = [name[len(prefix) :] for name in self.ignore if name.startswith(prefix)]
         try:
-            groups = channel_groups(pl_module, self._example, self.ignore)
+            groups = channel_groups(model, self._example, ignore, example_kwargs=self._example_kwargs)
         finally:
             for m, mode in was_training.items():
                 m.train(mode)
@@ -726,12 +760,13 @@ class StructuredPruning(L.Callback):
                 target -= target % self.round_to
             if group.size <= target:
                 continue
-            scores = channel_importance(pl_module, group, self.importance, self._taylor)
+            taylor = {k[len(prefix) :]: v for k, v in self._taylor.items() if k.startswith(prefix)}
+            scores = channel_importance(model, group, self.importance, taylor)
             kept[group.id] = keep_indices(scores, count=target)
         kept = trainer.strategy.broadcast(kept, src=0)  # every rank removes exactly rank 0's choice
         if not kept:
             return
-        remove_channels_(pl_module, groups, kept, trainer.optimizers)
+        remove_channels_(model, groups, kept, trainer.optimizers)
         for group in groups:
             if group.id in kept:
                 group.size = kept[group.id].numel()
@@ -771,9 +806,9 @@ class StructuredPruning(L.Callback):
             )
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
         if "on_load_checkpoint" in vars(pl_module):
             del pl_module.on_load_checkpoint  # the class's own hook again
 

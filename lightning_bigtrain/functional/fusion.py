@@ -59,6 +59,7 @@ def repeated_blocks(module: nn.Module, min_count: int = 2) -> list[nn.Module]:
     """The outermost submodules whose class occurs at least ``min_count`` times (transformer blocks, ResNet
     stages' blocks): compiling each once and reusing the code for every instance cuts compile time."""
     counts = Counter(type(m) for m in module.modules() if m is not module and any(True for _ in m.parameters()))
+    # (plain Sequential/ModuleList/ModuleDict are skipped below: their type says nothing about what they hold)
     chosen: list[nn.Module] = []
     for name, m in module.named_modules():
         if m is module or counts[type(m)] < min_count:
@@ -68,6 +69,8 @@ def repeated_blocks(module: nn.Module, min_count: int = 2) -> list[nn.Module]:
         if len(list(m.children())) == 0:  # a single layer (Linear, LayerNorm): nothing to fuse across
             continue
         if isinstance(m, (nn.ModuleList, nn.ModuleDict)):  # never called: compiling its call compiles nothing
+            continue
+        if type(m) is nn.Sequential:  # a container, not a kind of block: unrelated Sequentials share the type
             continue
         chosen.append(m)
     return chosen

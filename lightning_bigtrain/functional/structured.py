@@ -45,7 +45,10 @@ _PASS_MODULES: tuple[type[nn.Module], ...] = (
     nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Hardtanh, nn.Identity,
     nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.MaxPool1d, nn.MaxPool2d, nn.AvgPool1d, nn.AvgPool2d,
     nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d,
+    nn.Mish, nn.Hardswish, nn.ELU, nn.SELU, nn.CELU,
 )  # fmt: skip
+# Hugging Face's activation modules (``transformers.activations``) of these families are elementwise with f(0) = 0.
+_HF_ACTIVATIONS = ("GELU", "SiLU", "ReLU", "Mish", "Linear")
 _PASS_FUNCTIONS: set[Any] = {
     F.relu, F.relu6, F.leaky_relu, F.gelu, F.silu, F.tanh, F.hardtanh, F.dropout, F.max_pool2d, F.avg_pool2d,
     F.adaptive_avg_pool2d, F.adaptive_max_pool2d, torch.relu, torch.tanh, torch.nn.functional.dropout2d,
@@ -53,6 +56,75 @@ _PASS_FUNCTIONS: set[Any] = {
 _PASS_METHODS = {"relu", "relu_", "tanh", "contiguous", "clone", "detach"}
 _REDUCTIONS = {"mean", "sum", "amax"}
 _ADDS = {operator.add, operator.iadd, operator.sub, torch.add, torch.sub}
+
+
+def is_hf_conv1d(module: nn.Module) -> bool:
+    """Hugging Face's ``Conv1D`` (GPT-2's projections): a linear layer on the last dimension whose weight is stored
+    ``(in, out)``, the transpose of ``nn.Linear``'s."""
+    return type(module).__name__ == "Conv1D" and isinstance(getattr(module, "nf", None), int)
+
+
+def _is_hf_activation(module: nn.Module) -> bool:
+    cls = type(module)
+    return cls.__module__.startswith("transformers.activations") and any(k in cls.__name__ for k in _HF_ACTIVATIONS)
+
+
+def _weight_dim(module: nn.Module, kind: str) -> int:
+    """The weight dimension that holds a slot's features: output rows (``"out"``, ``"norm"``) or input columns."""
+    if is_hf_conv1d(module):
+        return 0 if kind == "in" else 1
+    return 1 if kind == "in" else 0
+
+
+class _Tracer(torch.fx.Tracer):
+    """``torch.fx``'s tracer with Hugging Face's ``Conv1D`` and activation modules kept as leaves."""
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return is_hf_conv1d(m) or _is_hf_activation(m) or super().is_leaf_module(m, module_qualified_name)
+
+
+def _fx_trace(model: nn.Module, concrete_args: dict[str, Any] | None = None) -> torch.fx.GraphModule:
+    tracer = _Tracer()
+    graph = tracer.trace(model, concrete_args=concrete_args)
+    return torch.fx.GraphModule(tracer.root, graph, type(model).__name__)
+
+
+def _bound(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any] | None:
+    """The example call's arguments by ``forward``'s parameter names (defaults filled in), or None if ``forward``
+    takes ``*args``/``**kwargs`` (then only a positional call is traced)."""
+    import inspect
+
+    try:
+        signature = inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in signature.parameters.values()):
+        return None
+    bound = signature.bind(*args, **kwargs)
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+def _trace_call(
+    model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], tracer: Callable
+) -> tuple[torch.fx.GraphModule, tuple[Any, ...]]:
+    """Trace ``model`` for this call: arguments that are not tensors (flags, ``None`` masks) are specialized to
+    their values, so that ``forward``'s branches on them are followed. Returns the graph and its inputs."""
+    if tracer is not _fx_trace:
+        return tracer(model), args
+    bound = _bound(model, args, kwargs)
+    if bound is None:
+        if kwargs:
+            raise TypeError("forward takes *args/**kwargs and was called with keyword arguments")
+        return _fx_trace(model), args
+    concrete = {k: v for k, v in bound.items() if not isinstance(v, torch.Tensor)}
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # fx's note that specialized inputs are not asserted
+        graph_module = _fx_trace(model, concrete or None)
+    inputs = tuple(bound[n.target] for n in graph_module.graph.nodes if n.op == "placeholder" and n.target in bound)
+    return graph_module, inputs
 
 
 @dataclass(frozen=True)
@@ -155,21 +227,28 @@ def _shape(node: Any) -> tuple[int, ...] | None:
 
 
 def channel_groups(
-    model: nn.Module, example_args: Sequence[Any], ignore: Iterable[str] = (), tracer: Callable | None = None
+    model: nn.Module,
+    example_args: Sequence[Any],
+    ignore: Iterable[str] = (),
+    tracer: Callable | None = None,
+    example_kwargs: dict[str, Any] | None = None,
 ) -> list[ChannelGroup]:
-    """The channel groups of ``model`` (traced with ``torch.fx`` on ``example_args``).
+    """The channel groups of ``model`` (traced with ``torch.fx`` on ``example_args``/``example_kwargs``).
 
     Args:
-        model: Any module ``torch.fx.symbolic_trace`` can trace.
+        model: Any module; where ``torch.fx`` cannot trace it whole, its submodules are traced one by one.
         example_args: Positional arguments of ``model.forward`` (shapes are propagated on them).
         ignore: Names of modules whose output channels must be kept (e.g. a layer shared with another model).
-        tracer: Optional replacement for ``torch.fx.symbolic_trace``.
+        tracer: Optional replacement for the tracer (``torch.fx`` with Hugging Face's ``Conv1D`` and activations as
+            leaves).
+        example_kwargs: Keyword arguments of the example call.
 
     Returns:
         Every group, prunable or blocked (``ChannelGroup.blocked`` says why).
     """
     untraced: list[str] = []
-    found = _groups_of(model, tuple(example_args), set(ignore), tracer or torch.fx.symbolic_trace, "", untraced)
+    found = _groups_of(model, tuple(example_args), dict(example_kwargs or {}), set(ignore), tracer or _fx_trace, "",
+                       untraced)  # fmt: skip
     found += _head_groups(model)
     for i, group in enumerate(found):
         group.id = i
@@ -183,37 +262,71 @@ def channel_groups(
 
 
 def _groups_of(
-    model: nn.Module, args: tuple[Any, ...], ignored: set[str], tracer: Callable, prefix: str, untraced: list[str]
+    model: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    ignored: set[str],
+    tracer: Callable,
+    prefix: str,
+    untraced: list[str],
 ) -> list[ChannelGroup]:
     """Groups of ``model``; where it cannot be traced whole, those of each child, traced on the arguments it
     receives in one forward pass (channels crossing a child's boundary are then left alone)."""
     try:
-        graph_module = tracer(model)
+        graph_module, positional = _trace_call(model, args, kwargs, tracer)
+        with torch.no_grad():
+            ShapeProp(graph_module).propagate(*positional)
     except Exception as err:
         untraced.append(f"{prefix or type(model).__name__}: {type(err).__name__}: {str(err).splitlines()[0][:120]}")
-        children = _callable_children(model)
+        structural, covered = _structural_groups(model)
+        children = {n: c for n, c in _callable_children(model).items() if n not in covered}
         if not children:
-            return []
-        captured: dict[str, tuple[Any, ...]] = {}
-        handles = [
-            child.register_forward_pre_hook(lambda _m, a, name=name: captured.setdefault(name, a))
-            for name, child in children.items()
-        ]
+            return _prefixed(structural, prefix, ignored)
+        captured: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {}
+
+        def capture(name: str) -> Callable[..., None]:
+            def hook(_module: nn.Module, a: tuple[Any, ...], k: dict[str, Any]) -> None:
+                captured.setdefault(name, (a, k))
+
+            return hook
+
+        handles = [child.register_forward_pre_hook(capture(name), with_kwargs=True) for name, child in children.items()]
         try:
             with torch.no_grad():
-                model(*args)
+                model(*args, **kwargs)
         finally:
             for handle in handles:
                 handle.remove()
-        found: list[ChannelGroup] = []
+        found: list[ChannelGroup] = _prefixed(structural, prefix, ignored)
         for name, child in children.items():
             if name in captured and any(True for _ in child.parameters()):
-                found += _groups_of(child, captured[name], ignored, tracer, f"{prefix}{name}.", untraced)
+                child_args, child_kwargs = captured[name]
+                found += _groups_of(child, child_args, child_kwargs, ignored, tracer, f"{prefix}{name}.", untraced)
         return found
-    groups = _trace_groups(graph_module, args, {i[len(prefix) :] for i in ignored if i.startswith(prefix)})
+    groups = _trace_groups(graph_module, positional, {i[len(prefix) :] for i in ignored if i.startswith(prefix)})
     for group in groups:
         group.slots = [Slot(prefix + s.module, s.kind, s.offset, s.block) for s in group.slots]
     return groups
+
+
+def _prefixed(groups: list[ChannelGroup], prefix: str, ignored: set[str]) -> list[ChannelGroup]:
+    for group in groups:
+        group.slots = [Slot(prefix + s.module, s.kind, s.offset, s.block) for s in group.slots]
+        group.blocked += [f"{s.module} is in `ignore`" for s in group.slots if s.kind == "out" and s.module in ignored]
+    return groups
+
+
+def _structural_groups(module: nn.Module) -> tuple[list[ChannelGroup], set[str]]:
+    """Groups known from a module's structure where ``torch.fx`` cannot follow its code: the feed-forward width of
+    ``nn.TransformerEncoderLayer``/``nn.TransformerDecoderLayer`` (``linear2(dropout(act(linear1(x))))`` with a
+    ReLU or GELU, which keep a zeroed channel zero). Returns the groups and the children they cover."""
+    if not isinstance(module, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)):
+        return [], set()
+    act = module.activation
+    if not (act in (F.relu, F.gelu) or isinstance(act, (nn.ReLU, nn.GELU))):
+        return [], set()
+    size = module.linear1.out_features
+    return [ChannelGroup(-1, size, [Slot("linear1", "out"), Slot("linear2", "in")])], {"linear1", "linear2"}
 
 
 def _head_groups(model: nn.Module) -> list[ChannelGroup]:
@@ -257,8 +370,7 @@ def _callable_children(model: nn.Module, prefix: str = "") -> dict[str, nn.Modul
 def _trace_groups(
     graph_module: torch.fx.GraphModule, example_args: tuple[Any, ...], ignored: set[str]
 ) -> list[ChannelGroup]:
-    with torch.no_grad():
-        ShapeProp(graph_module).propagate(*example_args)
+    """Groups of a traced graph whose nodes carry shapes (``ShapeProp`` ran on ``example_args``)."""
     modules = dict(graph_module.named_modules())
     groups = _Groups()
     values: dict[torch.fx.Node, _Value | None] = {}
@@ -279,7 +391,7 @@ def _trace_groups(
         if node.op == "call_module":
             module = modules[str(node.target)]
             name = str(node.target)
-            if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)):
+            if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)) or is_hf_conv1d(module):
                 in_dim = 1 if isinstance(module, nn.Conv1d | nn.Conv2d | nn.Conv3d) else len(shape or (0,)) - 1
                 grouped_conv = getattr(module, "groups", 1) != 1
                 if first is not None:
@@ -287,7 +399,8 @@ def _trace_groups(
                         groups.block(first, f"{name} reads them along another dimension or in groups")
                     else:
                         groups.add_slot(first, name, "in")
-                size = module.out_channels if not isinstance(module, nn.Linear) else module.out_features
+                size = (module.out_features if isinstance(module, nn.Linear) else module.nf if is_hf_conv1d(module)
+                        else module.out_channels)  # fmt: skip
                 gid = groups.new(size, Slot(name, "out"))
                 out = _Value(in_dim, (_Seg(gid, size),))
                 if name in ignored:
@@ -300,7 +413,7 @@ def _trace_groups(
                     out = first
                 else:
                     groups.block(first, f"{name} normalizes them in an unexpected layout")
-            elif isinstance(module, _PASS_MODULES):
+            elif isinstance(module, _PASS_MODULES) or _is_hf_activation(module):
                 out = first
             else:
                 for v in inputs:
@@ -330,6 +443,18 @@ def _trace_groups(
                 and any(isinstance(x, (int, float)) for x in node.args)
             ):
                 out = next((v for v in (val(x) for x in node.args) if v is not None), None)
+            elif target in (operator.mul, torch.mul) and len(node.args) == 2 and len(inputs) == 2:
+                # A gated product (SwiGLU: act(gate(x)) * up(x)): a channel zeroed in either factor is zero in the
+                # product, so both factors' producers lose it together.
+                a, b = inputs
+                if a.dim == b.dim and _shape(node.args[0]) == _shape(node.args[1]) and _same_layout(a, b):
+                    for sa, sb in zip(a.segs, b.segs, strict=True):
+                        if sa.group is not None and sb.group is not None:
+                            groups.union(sa.group, sb.group)
+                    out = a
+                else:
+                    groups.block(a, f"{node.name} multiplies tensors laid out differently")
+                    groups.block(b, f"{node.name} multiplies tensors laid out differently")
             elif target in _PASS_FUNCTIONS or (node.op == "call_method" and target in _PASS_METHODS):
                 out = first
             elif target in (torch.flatten,) or (node.op == "call_method" and target in ("flatten", "view", "reshape")):
@@ -352,6 +477,10 @@ def _trace_groups(
                 groups.block(v, "they are the model's output")
         values[node] = out
     return groups.result()
+
+
+def _same_layout(a: _Value, b: _Value) -> bool:
+    return [(s.size, s.block, s.group is None) for s in a.segs] == [(s.size, s.block, s.group is None) for s in b.segs]
 
 
 def _flatten(value: _Value | None, before: tuple[int, ...] | None, after: tuple[int, ...] | None) -> _Value | None:
@@ -413,14 +542,11 @@ def channel_importance(
             source = param.detach() if criterion == "l2" else (grads or {}).get(f"{slot.module}.{pname}")
             if source is None:
                 continue
-            if slot.kind in ("out", "norm"):
-                per = source.reshape(source.shape[0], -1)[slot.offset : slot.offset + group.size * slot.block]
-                per = per.reshape(group.size, -1)
-            elif param.ndim >= 2:
-                cols = source.transpose(0, 1).reshape(source.shape[1], -1)
-                per = cols[slot.offset : slot.offset + group.size * slot.block].reshape(group.size, -1)
-            else:
+            dim = _weight_dim(module, slot.kind) if param.ndim >= 2 else 0
+            if slot.kind == "in" and param.ndim < 2:
                 continue
+            lines = source.transpose(0, dim).reshape(source.shape[dim], -1)
+            per = lines[slot.offset : slot.offset + group.size * slot.block].reshape(group.size, -1)
             per = per.double()
             total += per.pow(2).sum(1) if criterion == "l2" else per.sum(1).pow(2)
     return total.sqrt() if criterion == "l2" else total
@@ -474,12 +600,14 @@ def mask_channels_(model: nn.Module, groups: Sequence[ChannelGroup], kept: dict[
             continue
         module = model.get_submodule(name)
         weight = cast(torch.Tensor, module.weight)
-        rows = _positions(segments, weight.shape[0])
-        drop = torch.ones(weight.shape[0], dtype=torch.bool)
+        dim = _weight_dim(module, kind)
+        rows = _positions(segments, weight.shape[dim])
+        drop = torch.ones(weight.shape[dim], dtype=torch.bool)
         drop[rows] = False
-        for param in (weight, getattr(module, "bias", None)):
-            if param is not None:
-                param[drop] = 0
+        weight.transpose(0, dim)[drop] = 0
+        bias = getattr(module, "bias", None)
+        if bias is not None:
+            bias[drop] = 0
 
 
 def remove_channels_(
@@ -500,13 +628,14 @@ def remove_channels_(
     selections: dict[str, list[tuple[int, torch.Tensor]]] = {}  # param name -> [(dim, index)]
     for (name, kind), segments in plan.items():
         module = model.get_submodule(name)
-        length = cast(torch.Tensor, module.weight).shape[1 if kind == "in" else 0]
+        weight_dim = _weight_dim(module, kind)
+        length = cast(torch.Tensor, module.weight).shape[weight_dim]
         index = _positions(segments, length)
-        dim = 1 if kind == "in" else 0
         for pname, tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+            dim = weight_dim if pname == "weight" else 0
             if tensor is None or tensor.ndim <= dim or (kind == "in" and pname != "weight"):
                 continue
-            if kind != "in" and tensor.shape[0] != length:
+            if kind != "in" and tensor.shape[dim] != length:
                 continue  # e.g. BatchNorm's num_batches_tracked
             selections.setdefault(f"{name}.{pname}", []).append((dim, index))
         _update_attributes(module, kind, index.numel())
@@ -545,7 +674,10 @@ def remove_channels_(
 
 
 def _update_attributes(module: nn.Module, kind: str, size: int) -> None:
-    if isinstance(module, nn.Linear):
+    if is_hf_conv1d(module):
+        if kind != "in":
+            module.nf = size
+    elif isinstance(module, nn.Linear):
         if kind == "in":
             module.in_features = size
         else:
@@ -576,7 +708,9 @@ def resize_to_state_dict_(model: nn.Module, state_dict: dict[str, torch.Tensor])
         resized.append(name)
         module_name, _, pname = name.rpartition(".")
         module = model.get_submodule(module_name)
-        if pname == "weight" and isinstance(module, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+        if pname == "weight" and is_hf_conv1d(module):
+            _update_attributes(module, "out", saved.shape[1])
+        elif pname == "weight" and isinstance(module, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)):
             _update_attributes(module, "out", saved.shape[0])
             _update_attributes(module, "in", saved.shape[1] * getattr(module, "groups", 1))
         elif isinstance(module, (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)):
