@@ -545,6 +545,20 @@ def _shard_like(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
 
 Importance = Literal["l2", "taylor"]
 _STRUCTURE_KEY = "bigtrain_structured_pruning"
+_ATTENTION_KEY = "bigtrain_headed_attention"
+
+
+def _swap_as_saved(module: nn.Module, checkpoint: dict[str, Any]) -> None:
+    """Rebuild the attention swap a checkpoint was written with (its weights are named q_proj/k_proj/v_proj)."""
+    names = checkpoint.get(_ATTENTION_KEY)
+    if names:
+        from lightning_bigtrain.functional.attention import HeadedAttention
+
+        for name in names:
+            parent, _, child = name.rpartition(".")
+            owner = module.get_submodule(parent) if parent else module
+            if isinstance(getattr(owner, child), nn.MultiheadAttention):
+                setattr(owner, child, HeadedAttention.from_torch(getattr(owner, child)))
 
 
 class StructuredPruning(L.Callback):
@@ -571,6 +585,10 @@ class StructuredPruning(L.Callback):
         schedule: When to prune (:class:`PruningSchedule`); events happen after the optimizer step of their step.
         ignore: Names of modules whose output channels are kept.
         round_to: Keep channel counts at multiples of this (e.g. 8 for vectorized kernels) where possible.
+        attention_heads: Replace each ``nn.MultiheadAttention`` (in ``nn.Transformer*Layer`` or anywhere) by the
+            equivalent :class:`~lightning_bigtrain.functional.attention.HeadedAttention` at setup, so its heads can
+            be removed (``nn.MultiheadAttention`` cannot run with fewer heads than its width implies). The swap is
+            in the checkpoint: resuming and :func:`load_pruned` rebuild it.
     """
 
     def __init__(
@@ -581,6 +599,7 @@ class StructuredPruning(L.Callback):
         schedule: PruningSchedule | None = None,
         ignore: Sequence[str] = (),
         round_to: int = 1,
+        attention_heads: bool = True,
     ) -> None:
         if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not 0.0 <= amount < 1.0:
             raise ValueError(
@@ -596,6 +615,8 @@ class StructuredPruning(L.Callback):
         self.schedule = schedule if schedule is not None else PruningSchedule()
         self.ignore = list(ignore)
         self.round_to = round_to
+        self.attention_heads = attention_heads
+        self.swapped: list[str] = []
         self.groups: list[Any] = []
         self._original: dict[int, int] = {}
         self._example: tuple[Any, ...] | None = None
@@ -630,6 +651,10 @@ class StructuredPruning(L.Callback):
                 "strategy='ddp' or one device, then train the smaller model with any strategy."
             )
         self._module = pl_module
+        if self.attention_heads:
+            from lightning_bigtrain.functional.attention import swap_multihead_attention_
+
+            self.swapped = swap_multihead_attention_(pl_module)  # before the optimizer holds the parameters
         # Resuming from a pruned checkpoint: Lightning calls the module's `on_load_checkpoint` just before it loads
         # the weights (after this hook, before the strategy wraps the model), so the shapes are rebuilt there.
         original = pl_module.on_load_checkpoint
@@ -638,6 +663,7 @@ class StructuredPruning(L.Callback):
             if _STRUCTURE_KEY in checkpoint:
                 from lightning_bigtrain.functional.structured import resize_to_state_dict_
 
+                _swap_as_saved(pl_module, checkpoint)
                 resize_to_state_dict_(pl_module, checkpoint["state_dict"])
             original(checkpoint)
 
@@ -787,6 +813,9 @@ class StructuredPruning(L.Callback):
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
         if self.groups:
             checkpoint[_STRUCTURE_KEY] = {name: tuple(t.shape) for name, t in checkpoint["state_dict"].items()}
+        if self.swapped:
+            checkpoint[_STRUCTURE_KEY] = checkpoint.get(_STRUCTURE_KEY, {})
+            checkpoint[_ATTENTION_KEY] = list(self.swapped)
 
     def state_dict(self) -> dict[str, Any]:
         return {"last_event": self._last_event, "done": self._done, "original": dict(self._original)}
@@ -823,6 +852,7 @@ def load_pruned(cls: type[L.LightningModule], checkpoint_path: str | Path, **kwa
     original = cls.on_load_checkpoint
 
     def on_load_checkpoint(self: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+        _swap_as_saved(self, checkpoint)
         resize_to_state_dict_(self, checkpoint["state_dict"])
         original(self, checkpoint)
 

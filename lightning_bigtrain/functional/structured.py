@@ -80,7 +80,13 @@ class _Tracer(torch.fx.Tracer):
     """``torch.fx``'s tracer with Hugging Face's ``Conv1D`` and activation modules kept as leaves."""
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        if isinstance(m, _TRANSFORMER_MODULES):
+            return False  # opened (its layers' structural groups are found where its code cannot be traced)
         return is_hf_conv1d(m) or _is_hf_activation(m) or super().is_leaf_module(m, module_qualified_name)
+
+
+_TRANSFORMER_MODULES = (nn.Transformer, nn.TransformerEncoder, nn.TransformerDecoder, nn.TransformerEncoderLayer,
+                        nn.TransformerDecoderLayer)  # fmt: skip
 
 
 def _fx_trace(model: nn.Module, concrete_args: dict[str, Any] | None = None) -> torch.fx.GraphModule:
