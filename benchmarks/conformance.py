@@ -35,6 +35,7 @@ from typing import Any
 import lightning as L
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.demos import LightningTransformer
 from torch import nn
 
 STEPS = 8
@@ -104,16 +105,18 @@ class ImageClassifier(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=self.lr)
 
 
+class DemoTransformer(LightningTransformer):
+    """Lightning's demo as is (SGD 0.1, ``forward(inputs, target)``), minus its WikiText download."""
+
+    def __init__(self, vocab_size: int = VOCAB) -> None:
+        super().__init__(vocab_size=vocab_size)
+
+    def prepare_data(self) -> None:
+        pass
+
+
 def _demo_transformer() -> L.LightningModule:
-    from lightning.pytorch.demos import LightningTransformer
-
-    class DemoTransformer(LightningTransformer):
-        """Lightning's demo as is (SGD 0.1, ``forward(inputs, target)``), minus its WikiText download."""
-
-        def prepare_data(self) -> None:
-            pass
-
-    return DemoTransformer(vocab_size=VOCAB)
+    return DemoTransformer()
 
 
 def _hf_gpt2() -> L.LightningModule:

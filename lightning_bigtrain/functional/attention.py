@@ -70,6 +70,7 @@ class HeadedAttention(nn.Module):
                 for proj, b in zip((new.q_proj, new.k_proj, new.v_proj), mha.in_proj_bias.split(e), strict=True):
                     proj.bias.copy_(b)
         new.out_proj = mha.out_proj
+        new.train(mha.training)
         return new.to(device=mha.out_proj.weight.device, dtype=mha.out_proj.weight.dtype)
 
     def head_slots(self) -> list[tuple[str, str, int, int]]:

@@ -4,6 +4,7 @@ StructuredPruning: channels removed identically on both ranks, optimizer state c
 
 from __future__ import annotations
 
+import importlib.util
 import warnings
 from pathlib import Path
 
@@ -150,3 +151,61 @@ def test_structured_pruning_removes_channels_on_two_ranks(tmp_path):
     torch.testing.assert_close(results[0]["weights"], results[1]["weights"], rtol=0, atol=0)
     assert results[0]["loaded_equal"] and "size mismatch" in results[0]["plain_load"]
     assert any("blocks.0.mlp.2 (add_1 adds a tensor" in w for w in results[0]["warned"])
+
+
+def _structured_transformers(rank: int, tmp: str) -> dict:
+    from benchmarks.conformance import FAMILIES, DemoTransformer, _build, _data
+
+    out: dict = {}
+    # Lightning's demo Transformer: nn.MultiheadAttention heads (swapped for HeadedAttention) and feed-forward widths.
+    L.seed_everything(0, verbose=False)
+    demo = _build(FAMILIES["lightning_demo_transformer"], 0)
+    before = sum(p.numel() for p in demo.parameters())
+    pruning = StructuredPruning(0.5, schedule=PruningSchedule(start=0, end=1, frequency=1))
+    trainer = L.Trainer(max_steps=3, strategy="ddp", callbacks=[pruning], logger=False, **_COMMON)
+    trainer.fit(demo, datamodule=_data("text"))
+    layer = demo.model.transformer.encoder.layers[0]
+    out["demo"] = (
+        layer.self_attn.n_head,
+        layer.linear1.out_features,
+        sum(p.numel() for p in demo.parameters()) / before,
+    )
+    out["demo_weights"] = torch.cat([p.detach().reshape(-1) for p in demo.parameters()])
+    ckpt = Path(tmp) / "demo.ckpt"
+    trainer.save_checkpoint(ckpt)
+    fresh = DemoTransformer()  # unpruned, with nn.MultiheadAttention: the checkpoint rebuilds the swap and shapes
+    resumed = L.Trainer(max_steps=3, strategy="ddp", callbacks=[StructuredPruning(0.5)], logger=False, **_COMMON)
+    resumed.fit(fresh, datamodule=_data("text"), ckpt_path=str(ckpt))
+    out["demo_resumed"] = torch.equal(
+        torch.cat([p.detach().reshape(-1) for p in fresh.parameters()]), out["demo_weights"]
+    )
+    if rank == 0:
+        loaded = load_pruned(DemoTransformer, ckpt).eval()
+        x = torch.randint(0, 96, (2, 16))
+        out["demo_loaded"] = torch.allclose(loaded(x, x), demo.eval()(x, x), atol=1e-6)
+
+    # Hugging Face's GPT-2, whose step calls `self.model(input_ids=x, labels=x)`: traced through that submodule.
+    L.seed_everything(0, verbose=False)
+    gpt2 = _build(FAMILIES["hf_gpt2"], 0)
+    before = sum(p.numel() for p in gpt2.parameters())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = L.Trainer(max_steps=3, strategy="ddp", logger=False, **_COMMON,
+                            callbacks=[StructuredPruning(0.5, schedule=PruningSchedule(start=1, end=1))])  # fmt: skip
+        trainer.fit(gpt2, datamodule=_data("text"))
+    out["gpt2_left"] = sum(p.numel() for p in gpt2.parameters()) / before
+    out["gpt2_mlp"] = tuple(gpt2.model.transformer.h[0].mlp.c_fc.weight.shape)
+    out["gpt2_no_effect"] = [str(w.message) for w in caught if "removed nothing" in str(w.message)]
+    return out
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
+def test_structured_pruning_of_models_we_did_not_write(tmp_path):
+    results = run_on_ranks(_structured_transformers, str(tmp_path), init_process_group=False)
+    for r in results:
+        heads, width, left = r["demo"]
+        assert heads == 1 and width == 100 and left < 0.6, r["demo"]
+        assert r["demo_resumed"]
+        assert r["gpt2_left"] < 0.75 and r["gpt2_mlp"] == (64, 128) and not r["gpt2_no_effect"]
+    torch.testing.assert_close(results[0]["demo_weights"], results[1]["demo_weights"], rtol=0, atol=0)
+    assert results[0]["demo_loaded"]

@@ -184,3 +184,41 @@ def test_whole_attention_heads_are_removed():
     assert [b.attn.n_head for b in fresh.blocks] == [2, 2]
     with torch.no_grad():
         torch.testing.assert_close(fresh(x), gpt(x))
+
+
+@pytest.mark.parametrize(
+    ("family", "min_removed"),
+    [("hf_gpt2", 0.25), ("hf_llama", 0.25), ("hf_t5", 0.15), ("lightning_demo_transformer", 0.4),
+     ("nn_transformer", 0.35)],
+)  # fmt: skip
+def test_transformers_lose_heads_and_widths_and_compute_what_the_masked_model_computes(family, min_removed):
+    """Models this project did not write, as their users build them: Hugging Face's GPT-2 (Conv1D), Llama (SwiGLU,
+    grouped-query attention) and T5 traced through the submodule the LightningModule calls, with keyword arguments;
+    Lightning's demo Transformer and an nn.TransformerEncoder LM (nn.MultiheadAttention swapped for HeadedAttention,
+    feed-forward widths from the layers' structure). Removing half of each prunable group's channels gives the
+    outputs of zeroing them."""
+    pytest.importorskip("transformers")
+    from benchmarks.conformance import FAMILIES, _build
+    from lightning_bigtrain.functional.attention import swap_multihead_attention_
+
+    torch.manual_seed(0)
+    model = _build(FAMILIES[family], 0).model.eval()
+    swap_multihead_attention_(model)
+    x = torch.randint(0, 96, (2, 16))
+    args, kwargs = ((x, x), {}) if family == "lightning_demo_transformer" else ((x,), {})
+    if family.startswith("hf_"):
+        args, kwargs = (), {"input_ids": x, **({"decoder_input_ids": x} if family == "hf_t5" else {})}
+
+    def run(m: nn.Module) -> torch.Tensor:
+        with torch.no_grad():
+            out = m(*args, **kwargs)
+        return out.logits if hasattr(out, "logits") else out
+
+    groups = channel_groups(model, args, example_kwargs=kwargs)
+    kept = {g.id: keep_indices(channel_importance(model, g), 0.5) for g in groups if g.prunable}
+    masked = copy.deepcopy(model)
+    mask_channels_(masked, groups, kept)
+    before = sum(p.numel() for p in model.parameters())
+    remove_channels_(model, groups, kept)
+    assert 1 - sum(p.numel() for p in model.parameters()) / before > min_removed
+    torch.testing.assert_close(run(model), run(masked), rtol=1e-4, atol=1e-5)
