@@ -356,9 +356,17 @@ CELLS: dict[str, Cell] = {
 
 # ---------------------------------------------------------------------------------------------- measuring
 class _Losses(L.Callback):
+    """Losses per step; the model-state bytes of this rank at the first optimizer step after the first (gradients
+    and optimizer state exist then)."""
+
     def __init__(self) -> None:
         self.losses: list[float] = []
         self.started = False
+        self.state: dict[str, int] | None = None
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        if self.state is None and trainer.global_step >= 1:
+            self.state = _state_bytes(trainer, pl_module)
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
         self.started = True
@@ -426,6 +434,7 @@ def run_cell(rank: int, family_name: str, cell_name: str, workdir: str) -> dict[
     try:
         model = _build(family, 0)
         numel = sum(p.numel() for p in model.parameters())
+        planned = _planned(model, cell_name)
         kwargs = cell.kwargs(family)
         kwargs.setdefault("callbacks", []).append(losses)
         trainer = L.Trainer(accelerator="cpu", devices=2, max_steps=STEPS, limit_val_batches=0, logger=False,
@@ -444,7 +453,7 @@ def run_cell(rank: int, family_name: str, cell_name: str, workdir: str) -> dict[
         return out
     module = trainer.lightning_module
     digest, compared = _replica_digest(module)
-    state = _state_bytes(trainer, module)
+    state = losses.state or _state_bytes(trainer, module)
     params_now = sum(_local(p).numel() for p in module.parameters() if _is_replica(p))
     out.update(
         losses=losses.losses,
@@ -455,7 +464,21 @@ def run_cell(rank: int, family_name: str, cell_name: str, workdir: str) -> dict[
         warnings=caught[:5],
         evidence=_evidence(cell_name, trainer, module, numel, state, _dynamo_graphs() - graphs_before, params_now),
     )
+    if planned is not None:
+        # The planner's prediction for this model and strategy against what this rank holds.
+        out["evidence"]["plan"] = {k: [planned[k], state.get(k, 0)] for k in ("params", "grads", "optimizer")}
+        out["evidence"]["plan_exact"] = all(a == b for a, b in out["evidence"]["plan"].values())
     return out
+
+
+def _planned(model: nn.Module, cell: str) -> dict[str, int] | None:
+    """``plan(model, devices=2)``'s model states for the cell's strategy (DDP and ZeRO on the torch engine)."""
+    if cell not in ("ddp", "zero1", "zero2", "zero3"):
+        return None
+    from lightning_bigtrain.planning import plan
+
+    row = plan(model, devices=2, accelerator="cpu", compression=False, optimizer="adamw")[cell]
+    return {"params": int(row.params_bytes), "grads": int(row.grads_bytes), "optimizer": int(row.optimizer_bytes)}
 
 
 def _sparsity(trainer: L.Trainer, module: nn.Module) -> tuple[float, bool]:
