@@ -325,14 +325,28 @@ def _prefixed(groups: list[ChannelGroup], prefix: str, ignored: set[str]) -> lis
 def _structural_groups(module: nn.Module) -> tuple[list[ChannelGroup], set[str]]:
     """Groups known from a module's structure where ``torch.fx`` cannot follow its code: the feed-forward width of
     ``nn.TransformerEncoderLayer``/``nn.TransformerDecoderLayer`` (``linear2(dropout(act(linear1(x))))`` with a
-    ReLU or GELU, which keep a zeroed channel zero). Returns the groups and the children they cover."""
-    if not isinstance(module, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)):
-        return [], set()
-    act = module.activation
-    if not (act in (F.relu, F.gelu) or isinstance(act, (nn.ReLU, nn.GELU))):
-        return [], set()
-    size = module.linear1.out_features
-    return [ChannelGroup(-1, size, [Slot("linear1", "out"), Slot("linear2", "in")])], {"linear1", "linear2"}
+    ReLU or GELU, which keep a zeroed channel zero) and of Hugging Face's BERT-style layers. Returns the groups and
+    the children they cover."""
+    if isinstance(module, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)):
+        act = module.activation
+        if not (act in (F.relu, F.gelu) or isinstance(act, (nn.ReLU, nn.GELU))):
+            return [], set()
+        size = module.linear1.out_features
+        return [ChannelGroup(-1, size, [Slot("linear1", "out"), Slot("linear2", "in")])], {"linear1", "linear2"}
+    # Hugging Face's BERT-style layer (BERT, RoBERTa, ELECTRA, HF ViT, ...): `intermediate.dense` -> activation,
+    # then `output.dense` reads the intermediate width (its forward takes **kwargs, which fx cannot trace).
+    inter, out = getattr(module, "intermediate", None), getattr(module, "output", None)
+    dense_in, dense_out = getattr(inter, "dense", None), getattr(out, "dense", None)
+    act = getattr(inter, "intermediate_act_fn", None)
+    if (
+        isinstance(dense_in, nn.Linear)
+        and isinstance(dense_out, nn.Linear)
+        and dense_out.in_features == dense_in.out_features
+        and (isinstance(act, _PASS_MODULES) or (isinstance(act, nn.Module) and _is_hf_activation(act)))
+    ):
+        slots = [Slot("intermediate.dense", "out"), Slot("output.dense", "in")]
+        return [ChannelGroup(-1, dense_in.out_features, slots)], {"intermediate", "output"}
+    return [], set()
 
 
 def _head_groups(model: nn.Module) -> list[ChannelGroup]:
