@@ -420,7 +420,17 @@ def _dynamo_graphs() -> int:
     return int(counters["stats"].get("unique_graphs", 0))
 
 
-def run_cell(rank: int, family_name: str, cell_name: str, workdir: str) -> dict[str, Any]:
+class _Diverge(L.Callback):
+    """Test-only: perturbs one replicated weight on rank 1 at the end, so that the replica check must fail."""
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.global_rank == 1:
+            p = next(p for p in pl_module.parameters() if _is_replica(p))
+            with torch.no_grad():
+                _local(p).view(-1)[0] += 1e-3
+
+
+def run_cell(rank: int, family_name: str, cell_name: str, workdir: str, diverge: bool = False) -> dict[str, Any]:
     """Run one cell on this rank (called on every rank by ``tests.helpers.distributed.run_on_ranks``)."""
     import warnings
 
@@ -437,6 +447,8 @@ def run_cell(rank: int, family_name: str, cell_name: str, workdir: str) -> dict[
         planned = _planned(model, cell_name)
         kwargs = cell.kwargs(family)
         kwargs.setdefault("callbacks", []).append(losses)
+        if diverge:
+            kwargs["callbacks"].append(_Diverge())
         trainer = L.Trainer(accelerator="cpu", devices=2, max_steps=STEPS, limit_val_batches=0, logger=False,
                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                             num_sanity_val_steps=0, default_root_dir=workdir, **kwargs)  # fmt: skip
@@ -563,11 +575,11 @@ def classify(results: list[dict[str, Any]]) -> dict[str, Any]:
     return row
 
 
-def run(family: str, cell: str, workdir: str) -> dict[str, Any]:
+def run(family: str, cell: str, workdir: str, diverge: bool = False) -> dict[str, Any]:
     from tests.helpers.distributed import run_on_ranks
 
     try:
-        return classify(run_on_ranks(run_cell, family, cell, workdir, init_process_group=False))
+        return classify(run_on_ranks(run_cell, family, cell, workdir, diverge, init_process_group=False))
     except RuntimeError as err:  # a rank died or raised outside the fit
         return {"family": family, "cell": cell, "status": "FAILED", "error": str(err)[-600:]}
 

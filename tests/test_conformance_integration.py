@@ -43,6 +43,12 @@ def test_cell_works(family, cell, tmp_path):
     assert row["status"] == "ok", f"{row.get('error')}\n{row.get('traceback') or ''}"
 
 
+def test_a_replica_that_diverged_fails_its_cell(tmp_path):
+    """The replica check compares each rank's own tensors: one weight nudged on rank 1 fails the cell."""
+    row = run("tv_vit", "ddp", str(tmp_path), diverge=True)
+    assert row["status"] == "FAILED" and "replicated tensors differ" in row["error"]
+
+
 def test_readme_matrix_is_rendered_from_the_results_file():
     path = RESULTS_DIR / "conformance.json"
     if not path.exists():
