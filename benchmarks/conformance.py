@@ -605,6 +605,14 @@ def render(results: dict[str, Any]) -> str:
         lines.append(
             f"| {f} | " + " | ".join(_MARK[at[(f, c)]["status"]] if (f, c) in at else "-" for c in cells) + " |"
         )
+    planned = [r for r in rows if "plan_exact" in (r.get("evidence") or {})]
+    if planned:
+        exact = [r for r in planned if r["evidence"]["plan_exact"]]
+        lines.append("")
+        lines.append(f"Planner: `plan(model, devices=2)` predicted the parameter, gradient and optimizer bytes each rank "
+                     f"held exactly in {len(exact)} of {len(planned)} DDP/ZeRO cells"
+                     + (": not in " + ", ".join(f"{r['family']} x {r['cell']}" for r in planned if r not in exact)
+                        if len(exact) < len(planned) else "") + ".")  # fmt: skip
     notes = [r for r in rows if r["status"] != "ok"]
     if notes:
         lines.append("")

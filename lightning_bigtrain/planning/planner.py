@@ -433,6 +433,10 @@ def plan(
     beta = inter if num_nodes > 1 else intra
     p_bytes, g_bytes, s_scale, s_extra = _PRECISIONS[precision]
     state_per_param = _OPTIMIZERS[optimizer] * s_scale + s_extra
+    # torch's Adam, AdamW, Adagrad and RMSprop keep a float32 `step` tensor per parameter tensor they update
+    # (per flat partition under ZeRO-1/2): counted when the model is given, so the states match the run exactly.
+    step_bytes = 4 if optimizer in ("adam", "adamw", "adagrad", "rmsprop") else 0
+    tensors = 0
     notes: list[str] = []
 
     activations = 0.0
@@ -464,6 +468,7 @@ def plan(
         else:
             notes.append("activations not measured (give batch_shape)")
         flat_chunks = _flat_chunks(_param_groups(model, trainable), n)
+        tensors = len(trainable)
         fsdp_numel = _fsdp_padded_numel(model, n)
         fsdp_numel_train = _fsdp_padded_numel(model, n, trainable_only=True)
         largest_unit = float(max([sum(p.numel() for p in b.parameters()) for b in blocks] or [psi]))
@@ -502,7 +507,7 @@ def plan(
             seconds = ring_seconds(fsdp_numel * p_bytes * gathers, gathers * units, 1)
             seconds += ring_seconds(fsdp_numel_train * g_bytes, units, 1)
             shard = fsdp_numel / n
-            p_dev, g_dev, s_dev = shard * p_bytes, shard * g_bytes, shard * state_per_param
+            p_dev, g_dev, s_dev = shard * p_bytes, shard * g_bytes, shard * state_per_param + tensors * step_bytes
             # The gathered unit and the prefetched next one; in backward also the unit's unsharded gradients
             # until they are reduce-scattered.
             transient = 2 * largest_unit * p_bytes + largest_unit * g_bytes
@@ -511,7 +516,8 @@ def plan(
         elif stage == 0:
             sent = 2 * ring * psi_train * g_bytes
             seconds = ring_seconds(psi_train * g_bytes, ddp_buckets, 2)
-            p_dev, g_dev, s_dev = psi * p_bytes, psi_train * g_bytes, psi_train * state_per_param
+            p_dev, g_dev = psi * p_bytes, psi_train * g_bytes
+            s_dev = psi_train * state_per_param + tensors * step_bytes
             transient = psi_train * g_bytes  # DDP's gradient buckets (copies of the gradients)
         else:
             sent = flat_bytes
@@ -519,7 +525,7 @@ def plan(
             share = sum(flat_chunks)
             p_dev = psi * p_bytes
             g_dev = psi_train * g_bytes if stage == 1 else share * g_bytes
-            s_dev = share * state_per_param
+            s_dev = share * state_per_param + (step_bytes * sum(1 for c in flat_chunks if c) if tensors else 0)
             transient = 0.0 if stage == 1 else min(_BUCKET_BYTES, psi_train * g_bytes)  # one staging bucket
         transient += backward_extra
         host_bytes = 0.0
