@@ -609,10 +609,11 @@ def render(results: dict[str, Any]) -> str:
     if planned:
         exact = [r for r in planned if r["evidence"]["plan_exact"]]
         lines.append("")
-        lines.append(f"Planner: `plan(model, devices=2)` predicted the parameter, gradient and optimizer bytes each rank "
-                     f"held exactly in {len(exact)} of {len(planned)} DDP/ZeRO cells"
-                     + (": not in " + ", ".join(f"{r['family']} x {r['cell']}" for r in planned if r not in exact)
-                        if len(exact) < len(planned) else "") + ".")  # fmt: skip
+        missed = ", ".join(f"{r['family']} x {r['cell']}" for r in planned if r not in exact)
+        lines.append(
+            f"Planner: `plan(model, devices=2)` predicted the parameter, gradient and optimizer bytes each rank held "
+            f"exactly in {len(exact)} of {len(planned)} DDP/ZeRO cells" + (f": not in {missed}." if missed else ".")
+        )
     notes = [r for r in rows if r["status"] != "ok"]
     if notes:
         lines.append("")

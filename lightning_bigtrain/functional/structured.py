@@ -337,12 +337,12 @@ def _structural_groups(module: nn.Module) -> tuple[list[ChannelGroup], set[str]]
     # then `output.dense` reads the intermediate width (its forward takes **kwargs, which fx cannot trace).
     inter, out = getattr(module, "intermediate", None), getattr(module, "output", None)
     dense_in, dense_out = getattr(inter, "dense", None), getattr(out, "dense", None)
-    act = getattr(inter, "intermediate_act_fn", None)
+    hf_act = getattr(inter, "intermediate_act_fn", None)
     if (
         isinstance(dense_in, nn.Linear)
         and isinstance(dense_out, nn.Linear)
         and dense_out.in_features == dense_in.out_features
-        and (isinstance(act, _PASS_MODULES) or (isinstance(act, nn.Module) and _is_hf_activation(act)))
+        and (isinstance(hf_act, _PASS_MODULES) or (isinstance(hf_act, nn.Module) and _is_hf_activation(hf_act)))
     ):
         slots = [Slot("intermediate.dense", "out"), Slot("output.dense", "in")]
         return [ChannelGroup(-1, dense_in.out_features, slots)], {"intermediate", "output"}
@@ -696,7 +696,7 @@ def remove_channels_(
 def _update_attributes(module: nn.Module, kind: str, size: int) -> None:
     if is_hf_conv1d(module):
         if kind != "in":
-            module.nf = size
+            setattr(module, "nf", size)  # noqa: B010 (an attribute of Hugging Face's class)
     elif isinstance(module, nn.Linear):
         if kind == "in":
             module.in_features = size
