@@ -135,7 +135,7 @@ def torch_pruning(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
     return best
 
 
-TP_SECONDS = 180  # Torch-Pruning's dependency search can run for tens of minutes on a tiny HF model
+TP_SECONDS = 120  # Torch-Pruning's dependency search can run for tens of minutes on a tiny HF model
 
 
 @contextlib.contextmanager
