@@ -349,6 +349,49 @@ def _structural_groups(module: nn.Module) -> tuple[list[ChannelGroup], set[str]]
     return [], set()
 
 
+def _hf_head_slots(module: nn.Module) -> tuple[int, list[Slot]] | None:
+    """Head groups of Hugging Face attention modules, from their structure: ``(heads, slots)`` or None.
+
+    GPT-2 (``c_attn`` Conv1D holding q|k|v, ``c_proj``), BERT-style (``self.query/key/value`` and the sibling
+    ``output.dense``) and Llama-style with grouped-query attention (``q_proj/k_proj/v_proj/o_proj``; a key/value
+    head goes with its group of query heads). Their forwards infer the head count from the projections' widths."""
+    name = type(module).__name__
+    if name == "GPT2Attention" and not getattr(module, "is_cross_attention", False) and is_hf_conv1d(module.c_attn):
+        d, inner = int(module.head_dim), int(module.c_proj.weight.shape[0])
+        slots = [Slot("c_attn", "out", i * inner, d) for i in range(3)] + [Slot("c_proj", "in", 0, d)]
+        return inner // d, slots
+    inner_self, out = getattr(module, "self", None), getattr(module, "output", None)
+    if (
+        all(isinstance(getattr(inner_self, n, None), nn.Linear) for n in ("query", "key", "value"))
+        and isinstance(getattr(out, "dense", None), nn.Linear)
+        and isinstance(getattr(inner_self, "attention_head_size", None), int)
+    ):
+        d = int(inner_self.attention_head_size)
+        slots = [Slot(f"self.{n}", "out", 0, d) for n in ("query", "key", "value")] + [Slot("output.dense", "in", 0, d)]
+        return inner_self.query.out_features // d, slots
+    projections = [getattr(module, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    groups = getattr(module, "num_key_value_groups", None)
+    if all(isinstance(p, nn.Linear) for p in projections) and isinstance(groups, int) and groups >= 1:
+        d = int(module.head_dim)
+        kv_heads = projections[1].out_features // d
+        slots = [Slot("q_proj", "out", 0, d * groups), Slot("k_proj", "out", 0, d), Slot("v_proj", "out", 0, d),
+                 Slot("o_proj", "in", 0, d * groups)]  # fmt: skip
+        return kv_heads, slots
+    return None
+
+
+def _sync_hf_heads(module: nn.Module) -> None:
+    """Attributes of Hugging Face attention modules that follow the projections' widths after heads were removed."""
+    if type(module).__name__ == "GPT2Attention" and is_hf_conv1d(module.c_proj):
+        inner = int(module.c_proj.weight.shape[0])
+        module.split_size, module.num_heads = inner, inner // int(module.head_dim)
+    elif isinstance(getattr(module, "query", None), nn.Linear) and isinstance(
+        getattr(module, "attention_head_size", None), int
+    ):
+        module.all_head_size = module.query.out_features
+        module.num_attention_heads = module.all_head_size // module.attention_head_size
+
+
 def _head_groups(model: nn.Module) -> list[ChannelGroup]:
     """One group per attention module that declares its heads: an integer ``n_head`` and a ``head_slots()`` method
     returning ``(submodule, "out" | "in", offset, head_dim)`` tuples (see ``CharGPT``'s attention). Removing a head
@@ -361,12 +404,18 @@ def _head_groups(model: nn.Module) -> list[ChannelGroup]:
             prefix = f"{name}." if name else ""
             slots = [Slot(prefix + sub, kind, offset, block) for sub, kind, offset, block in slots_of()]
             groups.append(ChannelGroup(-1, int(module.n_head), slots))
+        elif (found := _hf_head_slots(module)) is not None:
+            heads, slots = found
+            prefix = f"{name}." if name else ""
+            groups.append(ChannelGroup(-1, heads, [Slot(prefix + s.module, s.kind, s.offset, s.block) for s in slots]))
     return groups
 
 
 def sync_heads_(model: nn.Module) -> None:
-    """Set ``n_head`` of every module declaring its heads from its (pruned or resized) weights."""
+    """Set ``n_head`` of every module declaring its heads from its (pruned or resized) weights (and the head
+    attributes of Hugging Face attention modules)."""
     for module in model.modules():
+        _sync_hf_heads(module)
         slots_of = getattr(module, "head_slots", None)
         if not (callable(slots_of) and isinstance(getattr(module, "n_head", None), int)):
             continue
