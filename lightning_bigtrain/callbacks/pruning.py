@@ -137,7 +137,8 @@ class MagnitudePruning(L.Callback):
             schedule continue.
         parameters: Names of the parameters to prune (``fnmatch`` patterns such as ``"features.*.weight"``);
             default: the ``weight`` of every Linear and Conv layer (Hugging Face's ``Conv1D`` included) and the
-            input projections of ``nn.MultiheadAttention``.
+            input projections of ``nn.MultiheadAttention``, except weights that are all zeros at setup
+            (zero-initialized layers, named in a warning).
         plot: Save a per-layer sparsity bar chart (needs matplotlib) at the end of training.
     """
 
@@ -254,6 +255,7 @@ class MagnitudePruning(L.Callback):
         chosen: list[str] = []
         seen: set[int] = set()
         frozen: list[str] = []
+        zeros: list[str] = []
         for name in candidates:
             param = named[name]
             if id(param) in seen:
@@ -261,6 +263,11 @@ class MagnitudePruning(L.Callback):
             seen.add(id(param))
             if not param.requires_grad:
                 frozen.append(name)
+                continue
+            if self.parameters is None and not param.is_meta and param.numel() and not _local(param).detach().any():
+                # Zero-initialized (torchvision's ViT head): it ranks below every trained weight, would be masked whole
+                # at the first event and stay zero for good.
+                zeros.append(name)
                 continue
             aliases = [other for other, p in named.items() if p is param and other != name]
             if aliases:
@@ -270,6 +277,13 @@ class MagnitudePruning(L.Callback):
                     BigtrainWarning,
                 )
             chosen.append(name)
+        if zeros:
+            warn_once(
+                f"MagnitudePruning: {', '.join(f'`{z}`' for z in zeros)} all zeros at setup (zero-initialized): left "
+                "dense, since magnitude ranking would mask it whole before it trains. Name it in `parameters=[...]` "
+                "to prune it anyway.",
+                BigtrainWarning,
+            )
         if frozen:
             warn_once(
                 f"MagnitudePruning: {len(frozen)} frozen parameter(s) left unpruned (they do not train, so their "

@@ -202,3 +202,13 @@ def test_settings_that_cannot_act_warn(tmp_path):
                         default_root_dir=tmp_path, callbacks=[StructuredPruning(0.5)])  # fmt: skip
     with pytest.warns(NoEffectWarning, match=r"StructuredPruning removed nothing.*_NoForward.example_input_array"):
         trainer.fit(_NoForward(channels=(8, 16)), datamodule=FashionMNISTDataModule(batch_size=16, subset=64))
+
+
+def test_zero_initialized_weights_are_left_dense_by_default():
+    """torchvision's ViT zero-initializes its head: magnitude ranking would mask all of it at the first event and it
+    would stay zero for good (the loss never moves). The default choice leaves it out, with a warning."""
+    net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    nn.init.zeros_(net[2].weight)
+    with pytest.warns(BigtrainWarning, match=r"`2\.weight` all zeros at setup \(zero-initialized\): left dense"):
+        assert MagnitudePruning(0.5)._choose(net) == ["0.weight"]
+    assert MagnitudePruning(0.5, parameters=["*.weight"])._choose(net) == ["0.weight", "2.weight"]
