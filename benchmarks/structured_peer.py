@@ -232,11 +232,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.render:
         render_readme(args.results_dir / "structured_peer.json")
         return 0
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
+    ).stdout.strip()  # fmt: skip (the code that runs)
     torch.manual_seed(0)
     rows = measure(args.families, args.amount)
     print_table(rows, ["model", "params", "ours removed", "Torch-Pruning removed", "Torch-Pruning config"])
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).parent).stdout.strip()  # fmt: skip
     command = " ".join(["python -m benchmarks.structured_peer", *(argv if argv is not None else sys.argv[1:])])
     ahead = sum(r["ours removed"] >= r["Torch-Pruning removed"] and r["ours runs"] for r in rows)
     path = write_results("structured_peer", {"commit": commit, "command": command, "amount": args.amount,
