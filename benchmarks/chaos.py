@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import RESULTS_DIR, print_table, write_results
+from benchmarks.common import RESULTS_DIR, print_table, replace_block, write_results
 
 
 def _fault_name(fault: tuple[str, int, int]) -> str:
@@ -96,11 +96,7 @@ def render_readme(results_path: Path = RESULTS_DIR / "chaos.json", readme: Path 
     """Replace the README's figures block; True when it changed."""
     import json
 
-    text = readme.read_text()
-    start, end = text.index(_BEGIN), text.index(_END) + len(_END)
-    new = text[:start] + render(json.loads(results_path.read_text())) + text[end:]
-    readme.write_text(new)
-    return new != text
+    return replace_block(readme, _BEGIN, _END, render(json.loads(results_path.read_text())))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -168,6 +168,23 @@ def write_results(area: str, payload: dict[str, Any], headline: str, results_dir
     return path
 
 
+def replace_block(readme: Path, begin: str, end: str, block: str) -> bool:
+    """Replace the text from ``begin`` to ``end`` (markers included) in ``readme`` by ``block``; True if it changed."""
+    text = readme.read_text()
+    start, stop = text.index(begin), text.index(end) + len(end)
+    new = text[:start] + block + text[stop:]
+    readme.write_text(new)
+    return new != text
+
+
+def git_commit() -> str:
+    """The short commit of the code being run (recorded with the figures)."""
+    import subprocess
+
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                          cwd=Path(__file__).parent).stdout.strip()  # fmt: skip
+
+
 def print_table(rows: list[dict[str, Any]], columns: Sequence[str]) -> str:
     """A plain Markdown table of ``rows`` (dicts) restricted to ``columns``; printed and returned."""
 

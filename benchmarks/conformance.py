@@ -640,18 +640,15 @@ def render(results: dict[str, Any]) -> str:
 def render_readme(results_path: Path, readme: Path = README) -> bool:
     import json
 
-    text = readme.read_text()
-    start, end = text.index(_BEGIN), text.index(_END) + len(_END)
-    new = text[:start] + render(json.loads(results_path.read_text())) + text[end:]
-    readme.write_text(new)
-    return new != text
+    from benchmarks.common import replace_block
+
+    return replace_block(readme, _BEGIN, _END, render(json.loads(results_path.read_text())))
 
 
 def main(argv: list[str] | None = None) -> int:
-    import subprocess
     import tempfile
 
-    from benchmarks.common import RESULTS_DIR, print_table, write_results
+    from benchmarks.common import RESULTS_DIR, git_commit, print_table, write_results
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES))
@@ -663,8 +660,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.render:
         render_readme(args.results_dir / "conformance.json")
         return 0
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).parent).stdout.strip()  # fmt: skip
+    commit = git_commit()
     command = " ".join(["python -m benchmarks.conformance", *(argv if argv is not None else sys.argv[1:])])
     import json
 

@@ -25,7 +25,6 @@ import argparse
 import contextlib
 import copy
 import signal
-import subprocess
 import sys
 import traceback
 import warnings
@@ -215,13 +214,13 @@ def render(results: dict[str, Any]) -> str:
 def render_readme(path: Path, readme: Path = README) -> None:
     import json
 
-    text = readme.read_text()
-    start, end = text.index(_BEGIN), text.index(_END) + len(_END)
-    readme.write_text(text[:start] + render(json.loads(path.read_text())) + text[end:])
+    from benchmarks.common import replace_block
+
+    replace_block(readme, _BEGIN, _END, render(json.loads(path.read_text())))
 
 
 def main(argv: list[str] | None = None) -> int:
-    from benchmarks.common import RESULTS_DIR, print_table, write_results
+    from benchmarks.common import RESULTS_DIR, git_commit, print_table, write_results
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--amount", type=float, default=0.5)
@@ -232,9 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.render:
         render_readme(args.results_dir / "structured_peer.json")
         return 0
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
-    ).stdout.strip()  # fmt: skip (the code that runs)
+    commit = git_commit()  # the code that runs
     torch.manual_seed(0)
     rows = measure(args.families, args.amount)
     print_table(rows, ["model", "params", "ours removed", "Torch-Pruning removed", "Torch-Pruning config"])

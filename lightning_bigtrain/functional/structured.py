@@ -492,16 +492,7 @@ def _trace_groups(
             if target in _ADDS and len(node.args) == 2:
                 a, b = (val(x) for x in node.args)
                 if a is not None and b is not None:
-                    if a.dim == b.dim and [(s.size, s.block, s.group is None) for s in a.segs] == [
-                        (s.size, s.block, s.group is None) for s in b.segs
-                    ]:
-                        for sa, sb in zip(a.segs, b.segs, strict=True):
-                            if sa.group is not None and sb.group is not None:
-                                groups.union(sa.group, sb.group)
-                        out = a
-                    else:
-                        groups.block(a, f"{node.name} adds tensors laid out differently")
-                        groups.block(b, f"{node.name} adds tensors laid out differently")
+                    out = _couple(groups, a, b, a.dim == b.dim, f"{node.name} adds tensors laid out differently")
                 elif isinstance(node.args[1], (int, float)) or isinstance(node.args[0], (int, float)):
                     out = a or b
                 else:
@@ -516,14 +507,8 @@ def _trace_groups(
                 # A gated product (SwiGLU: act(gate(x)) * up(x)): a channel zeroed in either factor is zero in the
                 # product, so both factors' producers lose it together.
                 a, b = inputs
-                if a.dim == b.dim and _shape(node.args[0]) == _shape(node.args[1]) and _same_layout(a, b):
-                    for sa, sb in zip(a.segs, b.segs, strict=True):
-                        if sa.group is not None and sb.group is not None:
-                            groups.union(sa.group, sb.group)
-                    out = a
-                else:
-                    groups.block(a, f"{node.name} multiplies tensors laid out differently")
-                    groups.block(b, f"{node.name} multiplies tensors laid out differently")
+                same = a.dim == b.dim and _shape(node.args[0]) == _shape(node.args[1])
+                out = _couple(groups, a, b, same, f"{node.name} multiplies tensors laid out differently")
             elif target in _PASS_FUNCTIONS or (node.op == "call_method" and target in _PASS_METHODS):
                 out = first
             elif target in (torch.flatten,) or (node.op == "call_method" and target in ("flatten", "view", "reshape")):
@@ -548,8 +533,18 @@ def _trace_groups(
     return groups.result()
 
 
-def _same_layout(a: _Value, b: _Value) -> bool:
-    return [(s.size, s.block, s.group is None) for s in a.segs] == [(s.size, s.block, s.group is None) for s in b.segs]
+def _couple(groups: _Groups, a: _Value, b: _Value, same_shape: bool, reason: str) -> _Value | None:
+    """Channels of two tensors combined elementwise (a residual sum, a gated product) are removed together: join
+    their groups segment by segment, or block both when their channel layouts differ."""
+    layout_a = [(s.size, s.block, s.group is None) for s in a.segs]
+    if same_shape and layout_a == [(s.size, s.block, s.group is None) for s in b.segs]:
+        for sa, sb in zip(a.segs, b.segs, strict=True):
+            if sa.group is not None and sb.group is not None:
+                groups.union(sa.group, sb.group)
+        return a
+    groups.block(a, reason)
+    groups.block(b, reason)
+    return None
 
 
 def _flatten(value: _Value | None, before: tuple[int, ...] | None, after: tuple[int, ...] | None) -> _Value | None:
