@@ -349,7 +349,7 @@ def _structural_groups(module: nn.Module) -> tuple[list[ChannelGroup], set[str]]
     return [], set()
 
 
-def _hf_head_slots(module: nn.Module) -> tuple[int, list[Slot]] | None:
+def _hf_head_slots(module: Any) -> tuple[int, list[Slot]] | None:
     """Head groups of Hugging Face attention modules, from their structure: ``(heads, slots)`` or None.
 
     GPT-2 (``c_attn`` Conv1D holding q|k|v, ``c_proj``), BERT-style (``self.query/key/value`` and the sibling
@@ -360,7 +360,8 @@ def _hf_head_slots(module: nn.Module) -> tuple[int, list[Slot]] | None:
         d, inner = int(module.head_dim), int(module.c_proj.weight.shape[0])
         slots = [Slot("c_attn", "out", i * inner, d) for i in range(3)] + [Slot("c_proj", "in", 0, d)]
         return inner // d, slots
-    inner_self, out = getattr(module, "self", None), getattr(module, "output", None)
+    inner_self: Any = getattr(module, "self", None)
+    out = getattr(module, "output", None)
     if (
         all(isinstance(getattr(inner_self, n, None), nn.Linear) for n in ("query", "key", "value"))
         and isinstance(getattr(out, "dense", None), nn.Linear)
@@ -380,7 +381,7 @@ def _hf_head_slots(module: nn.Module) -> tuple[int, list[Slot]] | None:
     return None
 
 
-def _sync_hf_heads(module: nn.Module) -> None:
+def _sync_hf_heads(module: Any) -> None:
     """Attributes of Hugging Face attention modules that follow the projections' widths after heads were removed."""
     if type(module).__name__ == "GPT2Attention" and is_hf_conv1d(module.c_proj):
         inner = int(module.c_proj.weight.shape[0])
