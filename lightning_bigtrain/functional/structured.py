@@ -370,7 +370,7 @@ def _hf_head_slots(module: Any) -> tuple[int, list[Slot]] | None:
         d = int(inner_self.attention_head_size)
         slots = [Slot(f"self.{n}", "out", 0, d) for n in ("query", "key", "value")] + [Slot("output.dense", "in", 0, d)]
         return inner_self.query.out_features // d, slots
-    projections = [getattr(module, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    projections: list[Any] = [getattr(module, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
     groups = getattr(module, "num_key_value_groups", None)
     if all(isinstance(p, nn.Linear) for p in projections) and isinstance(groups, int) and groups >= 1:
         d = int(module.head_dim)
