@@ -228,6 +228,11 @@ class KnowledgeDistillation(L.Callback):
             )
         if options.cache_top_k < 1:
             raise ValueError(f"`DistillationOptions(cache_top_k={options.cache_top_k})`: must be >= 1.")
+        if options.teacher_call is not None and not callable(options.teacher_call):
+            raise TypeError(
+                f"`DistillationOptions(teacher_call={options.teacher_call!r})`: pass a function "
+                "`(teacher, *args, **kwargs) -> logits`, e.g. `lambda teacher, x: teacher(x, x)`."
+            )
         if features is not None and (
             not isinstance(features, dict)
             or not all(isinstance(k, str) and isinstance(v, str) for k, v in features.items())
@@ -307,7 +312,7 @@ class KnowledgeDistillation(L.Callback):
             for name, child in pl_module.named_children():
                 hook = child.register_forward_hook(self._capture_child(name), with_kwargs=True)
                 self._hooks.append(hook)
-        self._signature_checked = False
+        self._signature_checked = False  # checked once per fit, on the first step's call
         if self.features:
             projections = nn.ModuleDict()
             for i, (s_name, t_name) in enumerate(self.features.items()):

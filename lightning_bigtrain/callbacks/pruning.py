@@ -566,13 +566,9 @@ def _swap_as_saved(module: nn.Module, checkpoint: dict[str, Any]) -> None:
     """Rebuild the attention swap a checkpoint was written with (its weights are named q_proj/k_proj/v_proj)."""
     names = checkpoint.get(_ATTENTION_KEY)
     if names:
-        from lightning_bigtrain.functional.attention import HeadedAttention
+        from lightning_bigtrain.functional.attention import swap_multihead_attention_
 
-        for name in names:
-            parent, _, child = name.rpartition(".")
-            owner = module.get_submodule(parent) if parent else module
-            if isinstance(getattr(owner, child), nn.MultiheadAttention):
-                setattr(owner, child, HeadedAttention.from_torch(getattr(owner, child)))
+        swap_multihead_attention_(module, names)
 
 
 class StructuredPruning(L.Callback):
@@ -624,6 +620,11 @@ class StructuredPruning(L.Callback):
             raise ValueError(f"StructuredPruning(importance={importance!r}): expected one of {get_args(Importance)}.")
         if round_to < 1:
             raise ValueError(f"StructuredPruning(round_to={round_to}): must be >= 1.")
+        if not isinstance(attention_heads, bool):
+            raise TypeError(
+                f"StructuredPruning(attention_heads={attention_heads!r}): pass True (remove heads of "
+                "nn.MultiheadAttention, swapped for HeadedAttention) or False (keep them)."
+            )
         self.amount = float(amount)
         self.importance = importance
         self.schedule = schedule if schedule is not None else PruningSchedule()
@@ -674,7 +675,7 @@ class StructuredPruning(L.Callback):
         original = pl_module.on_load_checkpoint
 
         def on_load_checkpoint(checkpoint: dict[str, Any]) -> None:
-            if _STRUCTURE_KEY in checkpoint:
+            if _STRUCTURE_KEY in checkpoint or _ATTENTION_KEY in checkpoint:
                 from lightning_bigtrain.functional.structured import resize_to_state_dict_
 
                 _swap_as_saved(pl_module, checkpoint)
@@ -828,7 +829,6 @@ class StructuredPruning(L.Callback):
         if self.groups:
             checkpoint[_STRUCTURE_KEY] = {name: tuple(t.shape) for name, t in checkpoint["state_dict"].items()}
         if self.swapped:
-            checkpoint[_STRUCTURE_KEY] = checkpoint.get(_STRUCTURE_KEY, {})
             checkpoint[_ATTENTION_KEY] = list(self.swapped)
 
     def state_dict(self) -> dict[str, Any]:

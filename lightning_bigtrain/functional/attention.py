@@ -11,6 +11,7 @@ heads (``n_head``, ``head_slots()``) for :mod:`lightning_bigtrain.functional.str
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -150,17 +151,22 @@ def _float_mask(attn_mask: torch.Tensor | None, key_padding_mask: torch.Tensor |
     return out
 
 
-def swap_multihead_attention_(model: nn.Module) -> list[str]:
-    """Replace every ``nn.MultiheadAttention`` of ``model`` (without ``add_bias_kv``/``add_zero_attn``) by the
-    equivalent :class:`HeadedAttention`, in place; returns the names replaced. Call it before the optimizer is
-    built (its parameters are new). ``nn.TransformerEncoder``'s nested-tensor inference path is switched off for
-    encoders whose layers changed (it reads the packed projection)."""
+def swap_multihead_attention_(model: nn.Module, names: Iterable[str] | None = None) -> list[str]:
+    """Replace every ``nn.MultiheadAttention`` of ``model`` (without ``add_bias_kv``/``add_zero_attn``; only those
+    in ``names`` if given, e.g. the list a checkpoint recorded) by the equivalent :class:`HeadedAttention`, in place;
+    returns the names replaced. Call it before the optimizer is built (its parameters are new).
+    ``nn.TransformerEncoder``'s nested-tensor inference path is switched off for encoders whose layers changed (it
+    reads the packed projection)."""
+    only = None if names is None else set(names)
     swapped = []
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
+            qualified = f"{name}.{child_name}" if name else child_name
+            if only is not None and qualified not in only:
+                continue
             if type(child) is nn.MultiheadAttention and child.bias_k is None and not child.add_zero_attn:
                 setattr(module, child_name, HeadedAttention.from_torch(child))
-                swapped.append(f"{name}.{child_name}" if name else child_name)
+                swapped.append(qualified)
     if swapped:
         for module in model.modules():
             if isinstance(module, nn.TransformerEncoder):

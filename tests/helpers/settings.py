@@ -303,6 +303,9 @@ SETTINGS: tuple[Setting, ...] = (
         bad_inputs=(
             BadInput("temperature", lambda: KnowledgeDistillation(FashionCNN(), temperature=0), ValueError,
                      r"`KnowledgeDistillation\(temperature=0\)`: temperature must be > 0"),
+            BadInput("teacher_call", lambda: KnowledgeDistillation(FashionCNN(), options=DistillationOptions(
+                     teacher_call="forward")), TypeError, r"`DistillationOptions\(teacher_call='forward'\)`: pass a "
+                     "function"),  # type: ignore[arg-type]
             BadInput("alpha", lambda: KnowledgeDistillation(FashionCNN(), alpha=1.5), ValueError,
                      r"`KnowledgeDistillation\(alpha=1.5\)`: must be in \[0, 1\]"),
             BadInput("alpha_end",
@@ -342,6 +345,8 @@ SETTINGS: tuple[Setting, ...] = (
         bad_inputs=(
             BadInput("amount_one", lambda: StructuredPruning(1.0), ValueError,
                      r"StructuredPruning\(amount=1.0\): must be a fraction in \[0, 1\)"),
+            BadInput("attention_heads", lambda: StructuredPruning(0.5, attention_heads="yes"), TypeError,  # type: ignore[arg-type]
+                     r"StructuredPruning\(attention_heads='yes'\): pass True"),
             BadInput("importance", lambda: StructuredPruning(0.5, importance="l1"), ValueError,  # type: ignore[arg-type]
                      r"StructuredPruning\(importance='l1'\)"),
         ),
