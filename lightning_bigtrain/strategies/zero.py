@@ -255,6 +255,7 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         self.offload_optimizer = offload_optimizer or offload_params
         self.offload_params = offload_params
         self.min_wrap_params = min_wrap_params
+        self._sharded_root = False  # FSDP2 shards the LightningModule itself (set in setup)
         self.options = options
         self.compression = compressor
         self._compression_active = False
@@ -321,6 +322,7 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
                 offload_policy=self._offload_policy(),
                 async_prefetch=self.root_device.type == "cpu",
             )
+        self._sharded_root = is_fully_sharded(self.model)  # read by every step (_step): computed once here
         counter = CommCounter(self.world_size)
         self._fsdp_comm = counter if count_comm_(self.model, counter) else None
         self.model_to_device()
@@ -599,7 +601,7 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         """
         module = self.lightning_module
         assert module is not None and self.model is not None
-        if self.model is module and is_fully_sharded(self.model):
+        if self.model is module and self._sharded_root:
             return self._forward_redirection(self.model, module, name, *args, **kwargs)
         return getattr(module, name)(*args, **kwargs)
 
