@@ -31,6 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from typing_extensions import override
 
 from lightning_bigtrain.warnings import BigtrainWarning, warn_once
 
@@ -407,6 +408,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     :class:`~lightning_bigtrain.callbacks.FaultTolerance` for Lightning's own.
     """
 
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         path = str(path)
         if not _is_local(path):
@@ -418,11 +420,13 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         super().save_checkpoint(checkpoint, staging, storage_options)
         commit(path, staging, folder=False)
 
+    @override
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
         kwargs: dict[str, Any] = {"weights_only": weights_only}
         if map_location is not None:
             kwargs["map_location"] = map_location
         return super().load_checkpoint(load_path(str(path)), **kwargs)
 
+    @override
     def remove_checkpoint(self, path: Any) -> None:
         remove_checkpoint(str(path))

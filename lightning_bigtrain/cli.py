@@ -18,6 +18,7 @@ import sys
 from typing import Any
 
 from lightning.pytorch.cli import LightningCLI
+from typing_extensions import override
 
 __all__ = ["BigtrainCLI", "main"]
 
@@ -65,6 +66,7 @@ class BigtrainCLI(LightningCLI):
         )  # fmt: skip
         super().__init__(*args, **kwargs)
 
+    @override
     def add_arguments_to_parser(self, parser: Any) -> None:
         parser.add_argument(
             "--resume",
@@ -74,6 +76,7 @@ class BigtrainCLI(LightningCLI):
             "dirpath: a logger's new version folder per launch would hold none), or start fresh if there is none.",
         )
 
+    @override
     def _prepare_subcommand_kwargs(self, subcommand: str) -> dict[str, Any]:
         kwargs = super()._prepare_subcommand_kwargs(subcommand)
         config = self.config.get(subcommand, self.config)
@@ -81,6 +84,7 @@ class BigtrainCLI(LightningCLI):
             kwargs["ckpt_path"] = resume_path(self.trainer)
         return kwargs
 
+    @override
     def before_instantiate_classes(self) -> None:
         config = self.config.get(str(self.subcommand), self.config) if self.subcommand else self.config
         strategy = config.get("trainer", {}).get("strategy")

@@ -29,3 +29,49 @@ def test_warn_once_warns_once_per_message():
     with pytest.warns(NoEffectWarning, match="has no effect here"):
         assert warn_once("x has no effect here", NoEffectWarning)
     assert not warn_once("x has no effect here", NoEffectWarning)
+
+
+def test_every_lightning_override_is_marked_and_still_overrides():
+    """``make lint`` runs the same check: an unmarked override, or a marked method whose Lightning hook is gone
+    (renamed upstream, so ours would never be called), is reported."""
+    from tools.check_overrides import override_problems, package_classes
+
+    assert override_problems(package_classes()) == []
+
+
+def test_a_renamed_hook_fails_the_override_check():
+    import lightning as L
+    from typing_extensions import override
+
+    from tools.check_overrides import override_problems
+
+    class Renamed(L.Callback):
+        @override
+        def on_train_batch_strat(self, *args: object) -> None:  # a hook Lightning does not have
+            pass
+
+        def on_train_end(self, *args: object) -> None:  # an override without the mark
+            pass
+
+    problems = override_problems([Renamed])
+    assert any("on_train_batch_strat is marked @override but no Lightning base" in p for p in problems), problems
+    assert any("on_train_end overrides Lightning's on_train_end" in p for p in problems), problems
+
+
+def test_installed_lightning_is_in_the_declared_range_and_the_compat_names_resolve():
+    """CI installs the newest Lightning ``setup.cfg`` allows; the private names we use exist in it."""
+    import configparser
+    from pathlib import Path
+
+    import lightning
+    from packaging.requirements import Requirement
+
+    import lightning_bigtrain._compat as compat
+
+    config = configparser.ConfigParser()
+    config.read(Path(__file__).parents[1] / "setup.cfg")
+    requires = [Requirement(r) for r in config["options"]["install_requires"].split("\n") if r.strip()]
+    spec = next(r.specifier for r in requires if r.name == "lightning")
+    assert any(s.operator == "<" for s in spec), "setup.cfg must bound lightning from above"
+    assert lightning.__version__ in spec, (lightning.__version__, str(spec))
+    assert all(getattr(compat, name) is not None for name in compat.__all__ if name != "StrategyMixinBase")

@@ -13,6 +13,7 @@ import lightning as L
 import torch
 import torch.distributed as dist
 from torch import nn
+from typing_extensions import override
 
 from lightning_bigtrain.functional.distillation import (
     LogitCache,
@@ -295,6 +296,7 @@ class KnowledgeDistillation(L.Callback):
                 return cls.load_from_checkpoint(single, map_location="cpu")
         return cls.load_from_checkpoint(path, map_location="cpu")
 
+    @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
@@ -380,6 +382,7 @@ class KnowledgeDistillation(L.Callback):
             state.update(saved)
         return original(checkpoint)
 
+    @override
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         assert self.teacher is not None
         teacher = trainer.precision_plugin.convert_module(self.teacher)
@@ -521,6 +524,7 @@ class KnowledgeDistillation(L.Callback):
         alpha = self._alpha(trainer)
         total = alpha * kd + (1.0 - alpha) * task
         if log_now:
+            assert agree is not None
             pl_module.log("distill/kd_loss", kd.detach(), on_step=True, on_epoch=False)
             pl_module.log("distill/task_loss", task.detach(), on_step=True, on_epoch=False)
             pl_module.log("distill/agreement", agree, on_step=True, on_epoch=False)
@@ -554,6 +558,7 @@ class KnowledgeDistillation(L.Callback):
         self._checked_shapes = True
 
     # -- cache and checkpoints --
+    @override
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.cache is None or self.cache_url is None:
             return
@@ -572,6 +577,7 @@ class KnowledgeDistillation(L.Callback):
             self.cache.save(self.cache_url)
         trainer.strategy.barrier()
 
+    @override
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
         state = checkpoint.get("state_dict")
         prefix = _PROJECTIONS + "."
@@ -580,6 +586,7 @@ class KnowledgeDistillation(L.Callback):
             if moved:
                 checkpoint[_CHECKPOINT_KEY] = {"projections": moved}
 
+    @override
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage != "fit":
             return

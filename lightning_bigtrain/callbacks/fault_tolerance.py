@@ -19,6 +19,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from typing_extensions import override
 
 from lightning_bigtrain.checkpointing import AtomicCheckpointIO, atomic_folder_save, load_path
 from lightning_bigtrain.data.resumable import load_pending_states, make_resumable
@@ -101,6 +102,7 @@ class FaultTolerance(L.Callback):
     def state_key(self) -> str:
         return "FaultTolerance"
 
+    @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         strategy = trainer.strategy
         if isinstance(strategy, FaultTolerantStrategyMixin):
@@ -158,12 +160,14 @@ class FaultTolerance(L.Callback):
         self._restore.append((obj, name, obj.__dict__.get(name)))
         setattr(obj, name, value)
 
+    @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._active and self.resumable_data:
             load_pending_states(trainer)
         if self._active and self._preemption is not None:
             self._preemption.install()
 
+    @override
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
@@ -174,17 +178,21 @@ class FaultTolerance(L.Callback):
 
             seed_all_(fold_seed(self._rng_seed, trainer.fit_loop.epoch_loop.total_batch_idx))
 
+    @override
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         if self._active and self._preemption is not None:
             self._preemption.check(trainer)
 
+    @override
     def state_dict(self) -> dict[str, Any]:
         return {"rng_seed": self._rng_seed}
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if state_dict.get("rng_seed") is not None:
             self._rng_seed = int(state_dict["rng_seed"])
 
+    @override
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if self._preemption is not None:
             self._preemption.uninstall()

@@ -10,6 +10,7 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
 
 from lightning_bigtrain.functional.memory import model_state_bytes, peak_memory_bytes
 
@@ -92,11 +93,13 @@ class RunReport(Callback):
         self._last_loss: torch.Tensor | None = None
         self._state_bytes: dict[str, int] | None = None
 
+    @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._reset_train()
         if pl_module.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(pl_module.device)
 
+    @override
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
@@ -105,6 +108,7 @@ class RunReport(Callback):
                 torch.cuda.synchronize(pl_module.device)
             self._t0 = time.perf_counter()
 
+    @override
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
@@ -121,6 +125,7 @@ class RunReport(Callback):
                     self._tokens += x.numel()
         self._batches += 1
 
+    @override
     def on_before_optimizer_step(
         self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
@@ -135,6 +140,7 @@ class RunReport(Callback):
         own = getattr(trainer.strategy, "model_state_bytes", None)
         return own() if callable(own) else model_state_bytes(pl_module, optimizer)
 
+    @override
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.sanity_checking:
             return
@@ -142,6 +148,7 @@ class RunReport(Callback):
         if value is not None:
             self._val_losses.append((trainer.global_step, float(value)))
 
+    @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         device = pl_module.device
         if device.type == "cuda":
@@ -194,9 +201,11 @@ class RunReport(Callback):
             if self.verbose:
                 print(text, flush=True)
 
+    @override
     def state_dict(self) -> dict[str, Any]:
         return {"val_losses": list(self._val_losses)}
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._val_losses = [(int(step), float(v)) for step, v in state_dict.get("val_losses", [])]
 

@@ -6,6 +6,7 @@ from typing import Any
 
 import lightning as L
 from torch.utils.data import DataLoader, Dataset
+from typing_extensions import override
 
 __all__ = ["SplitDataModule"]
 
@@ -21,6 +22,7 @@ class SplitDataModule(L.LightningDataModule):
         super().__init__()
         self._splits: dict[str, Dataset[Any]] = {}
 
+    @override
     def setup(self, stage: str | None = None) -> None:  # filled in by subclasses
         raise NotImplementedError
 
@@ -34,11 +36,14 @@ class SplitDataModule(L.LightningDataModule):
             persistent_workers=self.num_workers > 0,
         )
 
+    @override
     def train_dataloader(self) -> DataLoader:
         return self._loader("train", shuffle=True)
 
+    @override
     def val_dataloader(self) -> DataLoader:
         return self._loader("val", shuffle=False)
 
+    @override
     def test_dataloader(self) -> DataLoader:
         return self._loader("test", shuffle=False)

@@ -11,6 +11,7 @@ from torch.utils.data import Dataset
 
 from lightning_bigtrain.data.base import SplitDataModule
 from lightning_bigtrain.data.paths import data_root, require
+from typing_extensions import override
 
 __all__ = ["CLASSES", "FashionMNISTDataModule", "load_fashion_mnist", "read_idx"]
 
@@ -100,9 +101,7 @@ class FashionMNISTDataModule(SplitDataModule):
         if batch_size < 1:
             raise ValueError(f"`FashionMNISTDataModule(batch_size={batch_size})`: batch_size must be >= 1.")
         if not 0 < val_size < 60000:
-            raise ValueError(
-                f"`FashionMNISTDataModule(val_size={val_size})`: val_size must be between 1 and 59999."
-            )
+            raise ValueError(f"`FashionMNISTDataModule(val_size={val_size})`: val_size must be between 1 and 59999.")
         if subset is not None and subset < 1:
             raise ValueError(f"`FashionMNISTDataModule(subset={subset})`: subset must be >= 1 or None.")
         self.save_hyperparameters()
@@ -115,11 +114,13 @@ class FashionMNISTDataModule(SplitDataModule):
         self.num_classes = len(CLASSES)
         self.prepare_data()  # offline data only: fail here, before any process is launched
 
+    @override
     def prepare_data(self) -> None:
         folder = data_root(self.data_dir) / "fashion-mnist"
         for name in (*FILES["train"], *FILES["test"]):
             require(folder / name, "Fashion-MNIST")
 
+    @override
     def setup(self, stage: str | None = None) -> None:
         if self._splits:
             return
@@ -136,4 +137,3 @@ class FashionMNISTDataModule(SplitDataModule):
             if self.subset is not None:
                 x, y = x[: self.subset], y[: self.subset]
             self._splits[name] = _Images(x, y)
-

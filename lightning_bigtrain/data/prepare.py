@@ -1,7 +1,7 @@
 """Set up the bundled datasets in the data cache (called by `make data`; safe to re-run).
 
-    python -m lightning_bigtrain.data.prepare fashion-mnist --root data [--system-dir DIR]
-    python -m lightning_bigtrain.data.prepare shakespeare --root data
+python -m lightning_bigtrain.data.prepare fashion-mnist --root data [--system-dir DIR]
+python -m lightning_bigtrain.data.prepare shakespeare --root data
 """
 
 from __future__ import annotations

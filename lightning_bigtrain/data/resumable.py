@@ -201,7 +201,7 @@ def make_resumable(dataloader: object, trainer_ref: Callable[[], Any]) -> object
         drop_last=sampler.drop_last,
         index_map=index_map,
     )
-    from lightning.pytorch.utilities.data import _update_dataloader
+    from lightning_bigtrain._compat import _update_dataloader
 
     loader = _update_dataloader(dataloader, resumable)
     batch_size = int(loader.batch_size)  # type: ignore[arg-type]
@@ -248,12 +248,9 @@ def load_pending_states(trainer: Any) -> None:
     applied: the epoch would restart from its first batch. The loaders are dropped here so that the fit
     loop builds them again, with the states, before the first batch.
     """
-    fit_loop = trainer.fit_loop
-    if not getattr(fit_loop, "_combined_loader_states_to_load", None) or fit_loop._combined_loader is None:
-        return
-    if fit_loop._data_fetcher is not None:
-        fit_loop._data_fetcher.teardown()
-    fit_loop._combined_loader = None
+    from lightning_bigtrain._compat import drop_fit_dataloaders
+
+    drop_fit_dataloaders(trainer)
 
 
 def _not_resumable(why: str) -> None:
@@ -270,10 +267,11 @@ def _not_resumable(why: str) -> None:
 def _refresh_limit(trainer: Any, loader: object) -> None:
     """Lightning counts the epoch's batches before it restores loader states; at another world size the
     resumed epoch has another length, so this loader's limit is counted again."""
-    from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batches
     from lightning.pytorch.trainer.states import RunningStage
 
-    combined = getattr(trainer.fit_loop, "_combined_loader", None)
+    from lightning_bigtrain._compat import _parse_num_batches, fit_combined_loader
+
+    combined = fit_combined_loader(trainer)
     if combined is None or combined.limits is None:
         return
     limits = list(combined.limits)
@@ -287,4 +285,3 @@ def _is_sampler_wrapper(sampler: object) -> bool:
     from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
 
     return type(sampler) is DistributedSamplerWrapper
-

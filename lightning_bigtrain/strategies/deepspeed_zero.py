@@ -12,93 +12,35 @@ bytes in the run report.
 from __future__ import annotations
 
 import copy
-import importlib.util
-import sys
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
+from typing_extensions import override
 
+from lightning_bigtrain._compat import _IS_INTERACTIVE
 from lightning_bigtrain.checkpointing import atomic_folder_save, load_path
 from lightning_bigtrain.functional.compression import Cast, Compressor
 from lightning_bigtrain.strategies._common import RNG_KEY, ZeroCommon
 from lightning_bigtrain.strategies._compression import resolve_compression
 from lightning_bigtrain.strategies._fault import FaultTolerantStrategyMixin
+from lightning_bigtrain.strategies.options import (
+    DeepSpeedOptions,
+    ZeroOptions,
+    check_options,
+    check_stage,
+    deepspeed_available,
+)
 from lightning_bigtrain.warnings import NoEffectWarning, warn_once
 
 if TYPE_CHECKING:
     import lightning as L
-    from lightning.fabric.strategies import _StrategyRegistry
 
-    from lightning_bigtrain.strategies.zero import ZeroOptions
-
-__all__ = ["DeepSpeedOptions", "DeepSpeedZeroStrategy", "deepspeed_available", "deepspeed_state_bytes"]
-
-_STAGES = (1, 2, 3)
+    from lightning_bigtrain._compat import _StrategyRegistry
 
 
-def deepspeed_available() -> bool:
-    """Whether DeepSpeed can be imported (without importing it)."""
-    if "deepspeed" in sys.modules:
-        return sys.modules["deepspeed"] is not None
-    return importlib.util.find_spec("deepspeed") is not None
-
-
-@dataclass(frozen=True, kw_only=True)
-class DeepSpeedOptions:
-    """DeepSpeed's own ZeRO knobs, typed (the ``zero_optimization`` section of its config).
-
-    Attributes:
-        overlap_comm: Overlap gradient reduction with backward (stages 2-3; DeepSpeed's default for stage 3).
-            ``None`` keeps DeepSpeed's default.
-        reduce_bucket_size: Elements per gradient-reduction bucket.
-        allgather_bucket_size: Elements per parameter all-gather bucket (stages 1-2).
-        contiguous_gradients: Copy reduced gradients into one contiguous buffer (less fragmentation).
-        prefetch_bucket_size: Stage 3: elements of parameters fetched ahead of use.
-        param_persistence_threshold: Stage 3: parameters with fewer elements stay unpartitioned.
-        quantized_weights: ZeRO++ qwZ: all-gather weights as int8 (stage 3; CUDA only: DeepSpeed's
-            quantization kernels are CUDA ops).
-        quantized_gradients: ZeRO++ qgZ: reduce gradients as int4 with all-to-all (stage 3; CUDA only).
-        hierarchical_partition_size: ZeRO++ hpZ: keep a secondary copy of the weights partitioned over
-            this many ranks (one node), so that backward's all-gather stays inside the node (stage 3;
-            must divide the world size; 1 = off).
-        config: Raw DeepSpeed config merged last, for everything else (e.g. ``{"wall_clock_breakdown":
-            True}``, ``{"zero_optimization": {"round_robin_gradients": True}}``). Keys DeepSpeed does not
-            know are refused. Batch size, gradient accumulation, clipping and precision come from the
-            Trainer and may not be set here.
-    """
-
-    overlap_comm: bool | None = None
-    reduce_bucket_size: int = 200_000_000
-    allgather_bucket_size: int = 200_000_000
-    contiguous_gradients: bool = True
-    prefetch_bucket_size: int | None = None
-    param_persistence_threshold: int | None = None
-    quantized_weights: bool = False
-    quantized_gradients: bool = False
-    hierarchical_partition_size: int = 1
-    config: Mapping[str, Any] | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("reduce_bucket_size", "allgather_bucket_size", "hierarchical_partition_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"`DeepSpeedOptions({name}={getattr(self, name)})`: must be >= 1.")
-        if self.config is not None and not isinstance(self.config, Mapping):
-            raise TypeError(f"`DeepSpeedOptions(config={self.config!r})`: pass a dict of DeepSpeed config keys.")
-
-    @property
-    def zeropp(self) -> list[str]:
-        """The ZeRO++ features switched on, by DeepSpeed config key."""
-        out = []
-        if self.quantized_weights:
-            out.append("zero_quantized_weights")
-        if self.quantized_gradients:
-            out.append("zero_quantized_gradients")
-        if self.hierarchical_partition_size > 1:
-            out.append("zero_hpz_partition_size")
-        return out
+__all__ = ["DeepSpeedZeroStrategy", "deepspeed_state_bytes"]
 
 
 # Set from the Trainer: a value in the override would silently disagree with it.
@@ -165,7 +107,7 @@ def _check_override(config: Mapping[str, Any]) -> None:
         if "stage" in zero:
             raise ValueError(
                 "`DeepSpeedOptions(config={'zero_optimization': {'stage': ...}})`: the stage is "
-                "`ZeroStrategy(stage=...)`'s first argument; set it there."
+                "`DeepSpeedZeroStrategy(stage=...)`'s first argument; set it there."
             )
 
 
@@ -226,7 +168,7 @@ def deepspeed_state_bytes(engine: Any) -> dict[str, int]:
 class DeepSpeedZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, DeepSpeedStrategy):
     """ZeRO stages 1-3 on DeepSpeed's engine, with :class:`ZeroStrategy`'s arguments; CPU (gloo) and CUDA.
 
-    Usually made as ``ZeroStrategy(stage, engine="deepspeed", ...)``; registered as
+    Made as ``DeepSpeedZeroStrategy(stage, ...)`` or ``zero_strategy(stage, engine="deepspeed")``; registered as
     ``bigtrain_deepspeed_zero1/2/3`` and ``bigtrain_deepspeed_zero2_offload/3_offload``.
 
     What the engine does and where (DeepSpeed ZeRO, Rajbhandari et al., 2020; ZeRO++, Wang et al., 2023):
@@ -239,8 +181,9 @@ class DeepSpeedZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, DeepSpeedStr
     Lightning loads.
 
     Acts in: ``setup_environment`` (gloo or NCCL via ``deepspeed.init_distributed``), ``setup``
-    (``deepspeed.initialize``), ``on_train_batch_start`` (step-seeded RNG), ``optimizer_step``
-    (model-state bytes once), ``save_checkpoint`` / ``load_checkpoint`` (DeepSpeed's, plus the run's seeds).
+    (``deepspeed.initialize``), ``on_train_batch_start`` (step-seeded RNG), ``training_step`` (buffer broadcast),
+    ``optimizer_step`` (model-state bytes once), ``save_checkpoint`` / ``load_checkpoint`` (DeepSpeed's, plus the
+    run's seeds).
 
     Args:
         stage: ZeRO stage, 1, 2 or 3.
@@ -249,8 +192,10 @@ class DeepSpeedZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, DeepSpeedStr
         offload_params: Stage 3: parameters in host memory too (ZeRO-Infinity's CPU tier). No effect on CPU.
         compression: ``Cast("fp16" | "bf16")`` (or ``"fp16"``/``"bf16"``): gradients communicated in that
             dtype (DeepSpeed's ``communication_data_type``). Other compressors need the torch engine.
-        options: :class:`ZeroOptions` (checkpoint layout, step-seeded RNG, launch method, backend, timeout;
-            ``broadcast_buffers`` is the engine's: DeepSpeed broadcasts buffers from rank 0 at start-up).
+        options: :class:`ZeroOptions` (checkpoint layout, buffer broadcast, step-seeded RNG, launch method,
+            backend, timeout). DeepSpeed broadcasts buffers from rank 0 only at start-up; with
+            ``broadcast_buffers=True`` (the default) they are broadcast before every training step, as the
+            torch engine and DDP do, so BatchNorm statistics agree on every rank.
         deepspeed: :class:`DeepSpeedOptions`, DeepSpeed's own knobs and the raw ``config`` override.
     """
 
@@ -267,47 +212,37 @@ class DeepSpeedZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, DeepSpeedStr
         options: ZeroOptions | None = None,
         deepspeed: DeepSpeedOptions | None = None,
     ) -> None:
-        from lightning_bigtrain.strategies.zero import ZeroOptions
-
         if not deepspeed_available():
             raise ImportError(
-                "`ZeroStrategy(engine='deepspeed')` needs DeepSpeed: `pip install lightning_bigtrain[deepspeed]` "
-                "(or `pip install deepspeed`). engine='torch' needs nothing extra."
+                "`DeepSpeedZeroStrategy` needs DeepSpeed, a dependency of lightning_bigtrain that is not "
+                "importable here: `pip install deepspeed`. ZeroStrategy (the torch engine) needs nothing extra."
             )
-        if stage not in _STAGES:
-            raise ValueError(f"`ZeroStrategy(stage={stage!r}, engine='deepspeed')`: stage must be 1, 2 or 3.")
-        if offload_params and stage != 3:
-            raise ValueError(
-                f"`ZeroStrategy(stage={stage}, engine='deepspeed', offload_params=True)`: parameters are only "
-                "partitioned, and so offloadable, at stage 3. Use stage=3 or offload_optimizer=True."
-            )
-        options = ZeroOptions() if options is None else options
-        if not isinstance(options, ZeroOptions):
-            raise TypeError(f"`ZeroStrategy(options={options!r})`: pass a `ZeroOptions(...)`.")
+        check_stage(stage, offload_params=offload_params, owner="DeepSpeedZeroStrategy")
+        options = check_options(options, "DeepSpeedZeroStrategy")
         ds = DeepSpeedOptions() if deepspeed is None else deepspeed
         if not isinstance(ds, DeepSpeedOptions):
             raise TypeError(
-                f"`ZeroStrategy(deepspeed={ds!r})`: pass a `DeepSpeedOptions(...)` "
+                f"`DeepSpeedZeroStrategy(deepspeed={ds!r})`: pass a `DeepSpeedOptions(...)` "
                 "(lightning_bigtrain.strategies.DeepSpeedOptions)."
             )
         if ds.zeropp and stage != 3:
             raise ValueError(
-                f"`ZeroStrategy(stage={stage}, engine='deepspeed', deepspeed=DeepSpeedOptions("
+                f"`DeepSpeedZeroStrategy(stage={stage}, deepspeed=DeepSpeedOptions("
                 f"{', '.join(ds.zeropp)}...))`: ZeRO++ acts on stage 3's weight gathers and gradient "
                 "reduce-scatters. Use stage=3."
             )
         if not options.save_distributed_checkpoint:
             raise ValueError(
-                "`ZeroStrategy(engine='deepspeed', options=ZeroOptions(save_distributed_checkpoint=False))`: "
+                "`DeepSpeedZeroStrategy(options=ZeroOptions(save_distributed_checkpoint=False))`: "
                 "DeepSpeed saves one shard per rank. Keep the default and write one file afterwards with "
                 "`bigtrain consolidate`."
             )
         compressor = resolve_compression(compression, "ZeroStrategy")
         if compressor is not None and not isinstance(compressor, Cast):
             raise ValueError(
-                f"`ZeroStrategy(engine='deepspeed', compression={compressor!r})`: DeepSpeed's engine can only "
-                "communicate gradients in a lower precision (Cast('fp16'/'bf16')). Use engine='torch' "
-                "(stage 1) for this compressor."
+                f"`DeepSpeedZeroStrategy(compression={compressor!r})`: DeepSpeed's engine can only "
+                "communicate gradients in a lower precision (Cast('fp16'/'bf16')). Use ZeroStrategy(stage=1) "
+                "(the torch engine) for this compressor."
             )
         if ds.config is not None:
             _check_override(ds.config)
@@ -357,36 +292,36 @@ class DeepSpeedZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, DeepSpeedStr
         self.memory: dict[str, int] = {}
         self._init_fault_tolerance()
 
+    @override
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         cls._register_stages(strategy_registry, "bigtrain_deepspeed_zero", " on DeepSpeed's engine")
 
     # ---- launch and environment -------------------------------------------------------------------
+    @override
     def _configure_launcher(self) -> None:
-        from lightning.fabric.utilities.imports import _IS_INTERACTIVE
-
         method = self.options.start_method
         if method == "auto":
             method = "fork" if _IS_INTERACTIVE else "popen"
         if method != "popen" and self.stage == 3:
             raise ValueError(
-                f"`ZeroStrategy(stage=3, engine='deepspeed', options=ZeroOptions(start_method={method!r}))`: "
+                f"`DeepSpeedZeroStrategy(stage=3, options=ZeroOptions(start_method={method!r}))`: "
                 "launched this way, the main process receives rank 0's weights, which DeepSpeed's stage 3 "
-                "holds partitioned. Run it as a script (start_method='popen') or use engine='torch'."
+                "holds partitioned. Run it as a script (start_method='popen') or use ZeroStrategy (the torch engine)."
             )
         self._start_method = method
         super()._configure_launcher()
 
+    @override
     def setup_environment(self) -> None:
         # Lightning's DeepSpeedStrategy refuses anything but CUDA here; DeepSpeed itself runs on its CPU
         # accelerator over gloo.
         accelerator = type(self.accelerator).__name__ if self.accelerator is not None else "?"
         if accelerator not in ("CPUAccelerator", "CUDAAccelerator"):
-            raise RuntimeError(
-                f"`ZeroStrategy(engine='deepspeed')` runs on accelerator='cpu' or 'cuda', not {accelerator}."
-            )
+            raise RuntimeError(f"`DeepSpeedZeroStrategy` runs on accelerator='cpu' or 'cuda', not {accelerator}.")
         DDPStrategy.setup_environment(self)
 
+    @override
     def setup_distributed(self) -> None:
         assert self.root_device is not None
         if self.root_device.type != "cpu":
@@ -399,6 +334,7 @@ class DeepSpeedZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, DeepSpeedStr
         self._init_deepspeed_distributed()
         return None
 
+    @override
     def setup(self, trainer: L.Trainer) -> None:
         assert self.root_device is not None
         on_cpu = self.root_device.type == "cpu"
@@ -419,7 +355,7 @@ class DeepSpeedZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, DeepSpeedStr
         assert isinstance(self.config, dict)
         if offload and on_cpu:
             warn_once(
-                f"`ZeroStrategy(stage={self.stage}, engine='deepspeed', offload_optimizer=True)` has no effect "
+                f"`DeepSpeedZeroStrategy(stage={self.stage}, offload_optimizer=True)` has no effect "
                 "with accelerator='cpu': parameters, gradients and optimizer states are in host memory already.",
                 NoEffectWarning,
             )
@@ -430,6 +366,7 @@ class DeepSpeedZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, DeepSpeedStr
         self._rng_seed = torch.initial_seed()  # replaced by the checkpoint's on resume
         super().setup(trainer)
 
+    @override
     def _setup_model_and_optimizer(self, model: Any, optimizer: Any, lr_scheduler: Any = None) -> tuple[Any, Any]:
         """``deepspeed.initialize`` over the trainable parameters; DeepSpeed's device is this rank's GPU, or on
         CPU its local rank (DeepSpeed's CPU accelerator ignores it, but reads the world from it)."""
@@ -450,6 +387,7 @@ class DeepSpeedZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, DeepSpeedStr
         )
         return engine, ds_optimizer
 
+    @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         # Lightning's loop has already divided the loss by `accumulate_grad_batches`; DeepSpeed's engine would
         # divide it again (`scale_wrt_gas=True` by default), shrinking gradients by the square of the
@@ -457,6 +395,13 @@ class DeepSpeedZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, DeepSpeedStr
         kwargs.setdefault("scale_wrt_gas", False)
         return super().backward(closure_loss, optimizer, *args, **kwargs)
 
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.options.broadcast_buffers and self.world_size > 1:
+            self._broadcast_buffers()
+        return super().training_step(*args, **kwargs)
+
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """DeepSpeed's folder, written under a temporary name and committed by rank 0 (``filepath`` becomes a
         link)."""
@@ -464,6 +409,7 @@ class DeepSpeedZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, DeepSpeedStr
         save = super().save_checkpoint
         atomic_folder_save(self, filepath, lambda staging: save(checkpoint, staging, storage_options))
 
+    @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         location = str(self.broadcast(load_path(str(checkpoint_path)) if self.is_global_zero else None))
         checkpoint = super().load_checkpoint(location, weights_only)
@@ -471,6 +417,7 @@ class DeepSpeedZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, DeepSpeedStr
         return checkpoint
 
     # ---- model-state bytes ------------------------------------------------------------------------
+    @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         closure = self._closure_counting_state(closure, self._count_memory)
         return super().optimizer_step(optimizer, closure, model, **kwargs)

@@ -7,20 +7,26 @@ import os
 import threading
 from collections.abc import Generator
 from contextlib import contextmanager
-from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.init import _materialize_distributed_module
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import ModelParallelStrategy
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
+from typing_extensions import override
 
+from lightning_bigtrain._compat import (
+    _IS_INTERACTIVE,
+    _METADATA_FILENAME,
+    _load_distributed_checkpoint,
+    _materialize_distributed_module,
+    _MultiProcessingLauncher,
+    _optimizers_to_device,
+    _SubprocessScriptLauncher,
+    _WorkerOutput,
+    forward_redirection,
+)
 from lightning_bigtrain.checkpointing import (
     AsyncCommits,
     atomic_folder_save,
@@ -47,61 +53,16 @@ from lightning_bigtrain.strategies._compression import (
     resolve_compression,
 )
 from lightning_bigtrain.strategies._fault import FaultTolerantStrategyMixin
-from lightning_bigtrain.strategies.deepspeed_zero import DeepSpeedOptions
+from lightning_bigtrain.strategies.options import DeepSpeedOptions, ZeroOptions, check_options, check_stage
 from lightning_bigtrain.warnings import NoEffectWarning, warn_once
 
 if TYPE_CHECKING:
     import lightning as L
-    from lightning.fabric.strategies import _StrategyRegistry
 
-__all__ = ["ZeroOptions", "ZeroStrategy", "consolidate_checkpoint", "resolve_engine"]
+    from lightning_bigtrain._compat import _StrategyRegistry
 
-StartMethod = Literal["auto", "popen", "spawn", "fork", "forkserver"]
-Engine = Literal["torch", "deepspeed", "auto"]
-_STAGES = (1, 2, 3)
+__all__ = ["ZeroStrategy", "consolidate_checkpoint"]
 _CAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-@dataclass(frozen=True, kw_only=True)
-class ZeroOptions:
-    """The rarer knobs of :class:`ZeroStrategy`.
-
-    Attributes:
-        save_distributed_checkpoint: Save one shard per rank (a folder); ``False`` gathers a single file
-            (stage 3 and offloading only).
-        broadcast_buffers: Copy rank 0's buffers (e.g. BatchNorm statistics) to every rank before each
-            training step, as DDP does, so replicas and checkpoints agree. FSDP2 alone leaves them per rank.
-        step_seeded_rng: Re-seed torch, ``random`` and NumPy before every training batch from the run's
-            seed and the batch index (:func:`~lightning_bigtrain.functional.rng.fold_seed`), so that a
-            resumed run draws the same dropout masks as the uninterrupted one. The run's seed (each rank's
-            ``torch.initial_seed()`` at setup, i.e. what ``seed_everything`` set) is saved in checkpoints.
-            ``False`` leaves the generators alone: resume is then exact only for models that draw no
-            random numbers in training.
-        start_method: How ranks are launched: ``"popen"`` re-runs the script; ``"fork"`` works from a
-            Jupyter kernel; ``"auto"`` picks ``"fork"`` in interactive sessions, else ``"popen"``.
-        process_group_backend: ``"gloo"`` or ``"nccl"``; by default chosen from the device.
-        timeout: Collective timeout.
-        async_checkpoint: Write sharded checkpoints in the background (``torch.distributed.checkpoint.
-            async_save`` over a separate gloo group): the save copies this rank's shards to host memory and
-            returns; the writing thread runs at a lower priority (``nice`` 10) so training keeps the cores;
-            the folder is committed (and older checkpoints removed) once every rank has written it,
-            checked at each batch start and at the end of training. One save is in flight at a time (the next
-            one waits for it), and a preemption checkpoint is written synchronously.
-    """
-
-    save_distributed_checkpoint: bool = True
-    broadcast_buffers: bool = True
-    step_seeded_rng: bool = True
-    start_method: StartMethod = "auto"
-    process_group_backend: str | None = None
-    timeout: timedelta | None = default_pg_timeout
-    async_checkpoint: bool = False
-
-    def __post_init__(self) -> None:
-        if self.start_method not in get_args(StartMethod):
-            raise ValueError(
-                f"`ZeroOptions(start_method={self.start_method!r})`: choose one of {', '.join(get_args(StartMethod))}."
-            )
 
 
 class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy):
@@ -138,10 +99,10 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
 
     Args:
         stage: ZeRO stage, 1, 2 or 3.
-        engine: ``"torch"`` (this class: flat shards for stages 1-2, FSDP2 for stage 3), ``"deepspeed"``
-            (DeepSpeed's ZeRO engine: the call returns a
-            :class:`~lightning_bigtrain.strategies.DeepSpeedZeroStrategy` with the same arguments; needs the
-            ``deepspeed`` extra) or ``"auto"`` (:func:`resolve_engine`'s rule).
+        engine: Only ``"torch"``, kept so that configs naming it still load. DeepSpeed's engine is its own
+            class, :class:`~lightning_bigtrain.strategies.DeepSpeedZeroStrategy`, and
+            :func:`~lightning_bigtrain.strategies.zero_strategy` picks either; anything else is refused
+            with that advice.
         offload_optimizer: Keep the sharded parameters, gradients and optimizer states in host memory and
             run the optimizer step on the CPU (FSDP2 ``CPUOffloadPolicy``). Has no effect on
             ``accelerator="cpu"`` (a warning says so).
@@ -156,47 +117,18 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
             (stage 3 through FSDP2's ``MixedPrecisionPolicy(reduce_dtype=...)``).
         options: The rarer knobs (:class:`ZeroOptions`): checkpoint layout, buffer broadcast,
             step-seeded RNG, launch method, backend, timeout.
-        deepspeed: DeepSpeed's own knobs (:class:`~lightning_bigtrain.strategies.DeepSpeedOptions`), for
-            ``engine="deepspeed"`` only.
+        deepspeed: Refused here (DeepSpeed's knobs belong to
+            :class:`~lightning_bigtrain.strategies.DeepSpeedZeroStrategy`); kept so that the error says so.
     """
 
     strategy_name = "bigtrain_zero"
     engine = "torch"
 
-    def __new__(
-        cls,
-        stage: int = 3,
-        *,
-        engine: Engine = "torch",
-        offload_optimizer: bool = False,
-        offload_params: bool = False,
-        min_wrap_params: int = 100_000,
-        compression: Compressor | str | None = None,
-        options: ZeroOptions | None = None,
-        deepspeed: DeepSpeedOptions | None = None,
-    ) -> Any:
-        offload = {"offload_optimizer": offload_optimizer, "offload_params": offload_params}
-        if cls is ZeroStrategy and resolve_engine(engine, stage=stage, deepspeed=deepspeed, **offload) == "deepspeed":
-            from lightning_bigtrain.strategies.deepspeed_zero import DeepSpeedZeroStrategy
-
-            if min_wrap_params != 100_000:
-                warn_once(
-                    "`ZeroStrategy(engine='deepspeed', min_wrap_params=...)` has no effect: DeepSpeed gathers "
-                    "stage 3 parameters per module (tune DeepSpeedOptions(prefetch_bucket_size=..., "
-                    "param_persistence_threshold=...) instead).",
-                    NoEffectWarning,
-                )
-            # Not an instance of this class, so Python does not call __init__ on it again.
-            return DeepSpeedZeroStrategy(
-                stage, compression=compression, options=options, deepspeed=deepspeed, **offload
-            )
-        return super().__new__(cls)
-
     def __init__(
         self,
         stage: int = 3,
         *,
-        engine: Engine = "torch",
+        engine: Literal["torch"] = "torch",
         offload_optimizer: bool = False,
         offload_params: bool = False,
         min_wrap_params: int = 100_000,
@@ -204,29 +136,20 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         options: ZeroOptions | None = None,
         deepspeed: DeepSpeedOptions | None = None,
     ) -> None:
-        if deepspeed is not None:
+        if engine != "torch" or deepspeed is not None:
+            given = f"engine={engine!r}" if engine != "torch" else "deepspeed=DeepSpeedOptions(...)"
             raise ValueError(
-                "`ZeroStrategy(deepspeed=DeepSpeedOptions(...))` configures DeepSpeed's engine: add "
-                "engine='deepspeed' (this run uses the torch engine)."
+                f"`ZeroStrategy({given})`: ZeroStrategy is the torch engine. For DeepSpeed's engine use "
+                "`DeepSpeedZeroStrategy(stage, ...)` (same arguments, plus `deepspeed=`), or "
+                "`zero_strategy(stage, engine='deepspeed'|'auto', ...)` (lightning_bigtrain.strategies)."
             )
-        if stage not in _STAGES:
-            raise ValueError(f"`ZeroStrategy(stage={stage!r})` is not supported: stage must be 1, 2 or 3.")
+        check_stage(stage, offload_params=offload_params, owner="ZeroStrategy")
         if offload_optimizer and stage == 1:
             raise ValueError(
                 "`ZeroStrategy(stage=1, offload_optimizer=True)` is not supported: offloading runs through "
                 "FSDP2's CPUOffloadPolicy, which needs sharded gradients. Use stage=2 or 3."
             )
-        if offload_params and stage != 3:
-            raise ValueError(
-                f"`ZeroStrategy(stage={stage}, offload_params=True)` is not supported: parameters are only "
-                "sharded, and so only offloadable, at stage 3. Use stage=3 or offload_optimizer=True."
-            )
-        options = ZeroOptions() if options is None else options
-        if not isinstance(options, ZeroOptions):
-            raise TypeError(
-                f"`ZeroStrategy(options={options!r})`: pass a `ZeroOptions(...)` "
-                "(lightning_bigtrain.strategies.ZeroOptions)."
-            )
+        options = check_options(options, "ZeroStrategy")
         if not options.save_distributed_checkpoint and stage in (1, 2) and not offload_optimizer:
             raise ValueError(
                 f"`ZeroStrategy(stage={stage}, options=ZeroOptions(save_distributed_checkpoint=False))` is not "
@@ -268,13 +191,13 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         self._async_commits = AsyncCommits()
         self._checkpoint_group: Any = None
 
+    @override
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         cls._register_stages(strategy_registry, "bigtrain_zero", "")
 
+    @override
     def _configure_launcher(self) -> None:
-        from lightning.fabric.utilities.imports import _IS_INTERACTIVE
-
         assert self.cluster_environment is not None
         method = self.options.start_method
         if method == "auto":
@@ -286,12 +209,14 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         else:
             self._launcher = _FullWeightsLauncher(self, start_method=method)
 
+    @override
     def setup_environment(self) -> None:
         # One flat data-parallel mesh over every rank of every node.
         self._data_parallel_size = self.num_nodes * self.num_processes
         self._tensor_parallel_size = 1
         super().setup_environment()
 
+    @override
     def setup(self, trainer: L.Trainer) -> None:
         assert self.model is not None
         assert self.accelerator is not None
@@ -378,6 +303,7 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
                 torch.distributed.broadcast(tensor, src=0)
         self.setup_precision_plugin()
 
+    @override
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Skip stage 1's gradient reduction while gradients accumulate (as DDP's ``no_sync``). Stage 2
@@ -391,12 +317,14 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
             for o in flats:
                 o.require_sync = True
 
+    @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         inner = getattr(optimizer, "_optimizer", optimizer)
         if isinstance(inner, FlatShardedOptimizer):
             return inner.state_dict()  # DTensor partitions: DCP writes each rank's slice
         return super().optimizer_state(optimizer)
 
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Sharded: a folder written under a temporary name and committed by rank 0 (``filepath`` becomes a link,
         or a pointer object on object stores); one file: through the atomic ``checkpoint_io``."""
@@ -445,14 +373,17 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         future = dcp.async_save(shards, storage_writer=writer, process_group=self._checkpoint_group)
         self._async_commits.add(location, staging, future)
 
+    @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self._async_commits.poll(self.is_global_zero)
         super().on_train_batch_start(batch, batch_idx)
 
+    @override
     def on_train_end(self) -> None:
         self._async_commits.poll(self.is_global_zero, block=True)
         super().on_train_end()
 
+    @override
     def remove_checkpoint(self, filepath: Any) -> None:
         if not self._async_commits.defer_removal(str(filepath)):
             super().remove_checkpoint(filepath)
@@ -462,7 +393,6 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
             return super().save_checkpoint(checkpoint, location)
         import fsspec
         import torch.distributed.checkpoint as dcp
-        from lightning.fabric.utilities.load import _METADATA_FILENAME
 
         shards = {"state_dict": checkpoint.pop("state_dict")}
         for i, optimizer_state in enumerate(checkpoint.pop("optimizer_states", [])):
@@ -476,6 +406,7 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         self.barrier()
         return None
 
+    @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         checkpoint = self._load_checkpoint(checkpoint_path, weights_only)
         self._restore_rng_state(checkpoint)
@@ -520,12 +451,14 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         with fsspec.open(f"{location.rstrip('/')}/{_METADATA_FILENAME}", "rb") as f:
             return torch.load(f, weights_only=bool(weights_only))
 
+    @override
     def teardown(self) -> None:
         self._async_commits.poll(self.is_global_zero, block=True)
         if self._compression is not None:
             self._compression.close()
         super().teardown()
 
+    @override
     def model_to_device(self) -> None:
         assert self.model is not None
         if not (self.offload_optimizer and self.root_device.type != "cpu" and is_fully_sharded(self.model)):
@@ -570,6 +503,7 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
 
         return CPUOffloadPolicy(pin_memory=True)
 
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self.options.broadcast_buffers and self.world_size > 1:
             self._broadcast_buffers()
@@ -577,14 +511,17 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         with self.precision_plugin.train_step_context():
             return self._step("training_step", *args, **kwargs)
 
+    @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.val_step_context():
             return self._step("validation_step", *args, **kwargs)
 
+    @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.test_step_context():
             return self._step("test_step", *args, **kwargs)
 
+    @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.predict_step_context():
             return self._step("predict_step", *args, **kwargs)
@@ -602,26 +539,15 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         module = self.lightning_module
         assert module is not None and self.model is not None
         if self.model is module and self._sharded_root:
-            return self._forward_redirection(self.model, module, name, *args, **kwargs)
+            return forward_redirection(self, self.model, module, name, *args, **kwargs)
         return getattr(module, name)(*args, **kwargs)
 
+    @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         # DCP saves one copy of replicated (non-sharded) tensors from an arbitrary rank: make it rank 0's.
         if self.options.broadcast_buffers and self.world_size > 1:
             self._broadcast_buffers()
         return super().lightning_module_state_dict()
-
-    def _broadcast_buffers(self) -> None:
-        assert self.model is not None
-        buffers = [b for b in self.model.buffers() if b.is_floating_point()]
-        if not buffers:
-            return
-        flat = torch.cat([b.detach().reshape(-1) for b in buffers])
-        torch.distributed.broadcast(flat, src=0)
-        offset = 0
-        for b in buffers:
-            b.copy_(flat[offset : offset + b.numel()].view_as(b))
-            offset += b.numel()
 
     @property
     def compression_engine(self) -> GradientCompression | None:
@@ -639,6 +565,7 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
             return sum(o.comm_bytes for o in flats) + (int(engine.sent_bytes) if engine is not None else 0)
         return None if self._fsdp_comm is None else self._fsdp_comm.bytes
 
+    @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         result = self._optimizer_step(optimizer, closure, model, **kwargs)
         self._log_comm()
@@ -677,7 +604,7 @@ def _background(writer_cls: type) -> type:
     """``writer_cls`` whose writing thread lowers its own scheduling priority (``nice`` 10, Linux: per thread),
     so that the training threads keep the cores and the save runs in what they leave idle (collective waits)."""
 
-    class BackgroundWriter(writer_cls):  # type: ignore[misc,valid-type]
+    class BackgroundWriter(writer_cls):
         def set_up_storage_writer(self, *args: Any, **kwargs: Any) -> Any:
             with contextlib.suppress(OSError, AttributeError):  # not Linux, or not allowed: normal priority
                 tid = threading.get_native_id()
@@ -687,30 +614,13 @@ def _background(writer_cls: type) -> type:
     return BackgroundWriter
 
 
-def resolve_engine(engine: str, *, stage: int = 3, **kwargs: Any) -> str:
-    """The engine ``ZeroStrategy(engine=...)`` runs on: ``"torch"`` or ``"deepspeed"``.
-
-    ``"auto"``: DeepSpeed when ``deepspeed=DeepSpeedOptions(...)`` is passed (only its engine reads them),
-    else the torch engine. The rule follows ``benchmarks/zero.py`` (25M-parameter GPT, fp32 AdamW, 2 CPU
-    ranks): the torch engine was faster at every stage (DeepSpeed 1.33x / 1.24x / 1.56x its step time at
-    stages 1 / 2 / 3) and held less per rank (DeepSpeed 1.01x / 1.21x / 1.25x the model-state bytes: it keeps
-    fp32 master partitions beside fp32 weights). No GPU was measured; choose ``engine="deepspeed"`` explicitly
-    for what only it has (ZeRO++, NVMe offload through ``config``, its fused CPU Adam when offloading).
-    """
-    if engine not in get_args(Engine):
-        raise ValueError(f"`ZeroStrategy(engine={engine!r})`: choose one of {', '.join(get_args(Engine))}.")
-    if engine != "auto":
-        return engine
-    return "deepspeed" if kwargs.get("deepspeed") is not None else "torch"
-
-
 class _FullWeightsLauncher(_MultiProcessingLauncher):
     """Fork/spawn launcher that hands the main process full (gathered) weights, not rank 0's shards."""
 
+    @override
     def _collect_rank_zero_results(self, trainer: L.Trainer, results: Any) -> Any:
         import tempfile
 
-        from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         callback = trainer.checkpoint_callback
@@ -754,10 +664,9 @@ def consolidate_checkpoint(path: str | os.PathLike[str], output: str | os.PathLi
 
     Args:
         path: The checkpoint folder written by ``ZeroStrategy`` (e.g. ``.../last.ckpt``); DeepSpeed's folders
-            (``engine="deepspeed"``) are converted with DeepSpeed's ``zero_to_fp32``.
+            (:class:`DeepSpeedZeroStrategy`) are converted with DeepSpeed's ``zero_to_fp32``.
         output: The single file to write.
     """
-    from lightning.fabric.utilities.load import _load_distributed_checkpoint
 
     folder = Path(load_path(str(path))) if Path(path).is_dir() else Path(path)  # a committed one (see checkpointing)
     if not folder.is_dir():
@@ -767,7 +676,7 @@ def consolidate_checkpoint(path: str | os.PathLike[str], output: str | os.PathLi
         )
     out = Path(output)
     out.parent.mkdir(parents=True, exist_ok=True)
-    if (folder / "latest").is_file():  # DeepSpeed's layout (ZeroStrategy(engine="deepspeed"))
+    if (folder / "latest").is_file():  # DeepSpeed's layout (DeepSpeedZeroStrategy)
         import contextlib
         import io
 

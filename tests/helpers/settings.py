@@ -3,12 +3,15 @@
 Each row says how to build the model, the data and the Trainer arguments that switch the feature on,
 and which bad inputs must be rejected with which message. Generic tests
 (`tests/test_settings_integration.py`) check for every row that it fits on 2 CPU ranks with identical
-replicas, that a run stopped and resumed from a checkpoint ends where the uninterrupted run ends, and
-that each bad input raises its error. A new feature adds its row here.
+replicas (each rank's own replicated tensors; rows with sharded parameters against the same run at stage 1,
+whose parameters are replicas), that a run stopped and resumed from a checkpoint ends where the uninterrupted
+run ends, and that each bad input raises its error. A new feature adds its row here.
 """
 
 from __future__ import annotations
 
+import os
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +23,7 @@ from lightning_bigtrain.callbacks import (
     DistillationOptions,
     KnowledgeDistillation,
     MagnitudePruning,
+    OperatorFusion,
     PruningSchedule,
     RunReport,
     StructuredPruning,
@@ -34,6 +38,7 @@ from lightning_bigtrain.strategies import (
     DeepSpeedZeroStrategy,
     ZeroOptions,
     ZeroStrategy,
+    zero_strategy,
 )
 
 __all__ = ["SETTINGS", "BadInput", "Setting", "by_name"]
@@ -61,6 +66,14 @@ class Setting:
             because callbacks and strategies hold state.
         bad_inputs: Calls that must be rejected.
         resume_atol: Allowed difference between resumed and uninterrupted weights, with its reason.
+        ddp_atol: For rows whose parameters are sharded (no rank holds a replica to compare with the other's):
+            allowed difference between the gathered weights and those of the same run on the same engine at
+            stage 1 (same seed, callbacks and plugins; parameters replicated), which reduces in another layout.
+        mask_slack: Fraction of weights allowed to be zero in only one of those two runs (pruning of sharded
+            weights finds its threshold by bisection over all-reduced counts, the replicated run exactly, so
+            near-ties may fall on either side); the other weights are held to ``ddp_atol``.
+        replicated_twin: The replicated strategy to compare a sharded row with, where the same engine at stage 1
+            cannot run the row (movement pruning needs whole averaged gradients: DDP).
     """
 
     name: str
@@ -69,6 +82,9 @@ class Setting:
     trainer_kwargs: Callable[[], dict[str, Any]]
     bad_inputs: tuple[BadInput, ...] = field(default=())
     resume_atol: float = 0.0
+    ddp_atol: float = 2e-5
+    mask_slack: float = 0.0
+    replicated_twin: Callable[[], Any] | None = None
 
 
 def _tiny_cnn() -> FashionCNN:
@@ -135,6 +151,29 @@ def _structured_ddp_cnn() -> dict[str, Any]:
     }
 
 
+def _fusion_ddp_gpt() -> dict[str, Any]:
+    # Regional compile, the fused optimizer and the attention swap, across the interruption.
+    fusion = OperatorFusion(compile="regional", fused_optimizer=True, swap_modules=True)
+    return {"strategy": "ddp", "callbacks": [fusion]}
+
+
+_KD_CACHE = tempfile.gettempdir()
+
+
+def _kd_cache_cnn() -> dict[str, Any]:
+    # Every rank of one test (one parent process) and the stopped run and its resumption share the cache file,
+    # as a relaunched job does; the cached top-k logits give the loss the live teacher gives.
+    teacher = _teacher(lambda: FashionCNN(channels=(16, 32)))
+    cache = os.path.join(_KD_CACHE, f"bigtrain-settings-kd-cache-{os.getppid()}.pt")
+    return {"strategy": "ddp", "callbacks": [KnowledgeDistillation(teacher, temperature=2.0, cache=cache)]}
+
+
+def _nm_ddp_gpt() -> dict[str, Any]:
+    # 2:4 from step 2 on, across the interruption: masks and the schedule position are restored.
+    pruning = MagnitudePruning(pattern="2:4", schedule=PruningSchedule(start=2, end=2, frequency=1), plot=False)
+    return {"strategy": "ddp", "callbacks": [pruning]}
+
+
 def _ddp_with_report() -> dict[str, Any]:
     return {"strategy": "ddp", "callbacks": [RunReport(verbose=False, warmup_steps=0)]}
 
@@ -148,7 +187,7 @@ def _deepspeed(stage: int) -> Callable[[], dict[str, Any]]:
     # Tiny buckets and no persistence threshold, so the tiny models are partitioned and bucketed as large ones.
     options = DeepSpeedOptions(reduce_bucket_size=5000, allgather_bucket_size=5000,
                                param_persistence_threshold=0 if stage == 3 else None)  # fmt: skip
-    return lambda: {"strategy": ZeroStrategy(stage=stage, engine="deepspeed", deepspeed=options)}
+    return lambda: {"strategy": DeepSpeedZeroStrategy(stage=stage, deepspeed=options)}
 
 
 SETTINGS: tuple[Setting, ...] = (
@@ -241,11 +280,13 @@ SETTINGS: tuple[Setting, ...] = (
         data=_tiny_shakespeare,
         trainer_kwargs=_deepspeed(2),
         bad_inputs=(
-            BadInput("engine", lambda: ZeroStrategy(engine="megatron"), ValueError,  # type: ignore[arg-type]
-                     r"ZeroStrategy\(engine='megatron'\)`: choose one of torch, deepspeed, auto"),
+            BadInput("engine", lambda: zero_strategy(engine="megatron"), ValueError,  # type: ignore[arg-type]
+                     r"zero_strategy\(engine='megatron'\)`: choose one of torch, deepspeed, auto"),
+            BadInput("deepspeed_engine_on_torch_class", lambda: ZeroStrategy(engine="deepspeed"),  # type: ignore[arg-type]
+                     ValueError, r"ZeroStrategy is the torch engine. For DeepSpeed's engine use `DeepSpeedZero"),
             BadInput("options_without_engine", lambda: ZeroStrategy(deepspeed=DeepSpeedOptions()), ValueError,
-                     r"add engine='deepspeed'"),
-            BadInput("zeropp_stage2", lambda: ZeroStrategy(2, engine="deepspeed",
+                     r"ZeroStrategy\(deepspeed=DeepSpeedOptions\(...\)\)`: ZeroStrategy is the torch engine"),
+            BadInput("zeropp_stage2", lambda: DeepSpeedZeroStrategy(2,
                      deepspeed=DeepSpeedOptions(quantized_weights=True)), ValueError, r"ZeRO\+\+ acts on stage 3"),
             BadInput("unknown_key", lambda: DeepSpeedZeroStrategy(deepspeed=DeepSpeedOptions(
                      config={"wall_clock_breakdwn": True})), ValueError,
@@ -256,7 +297,7 @@ SETTINGS: tuple[Setting, ...] = (
             BadInput("trainer_key", lambda: DeepSpeedZeroStrategy(deepspeed=DeepSpeedOptions(
                      config={"gradient_accumulation_steps": 4})), ValueError,
                      r"set from Trainer\(accumulate_grad_batches=\.\.\.\)"),
-            BadInput("compressor", lambda: ZeroStrategy(1, engine="deepspeed", compression="powersgd"), ValueError,
+            BadInput("compressor", lambda: DeepSpeedZeroStrategy(1, compression="powersgd"), ValueError,
                      r"can only communicate gradients in a lower precision"),
             BadInput("bucket", lambda: DeepSpeedOptions(reduce_bucket_size=0), ValueError,
                      r"DeepSpeedOptions\(reduce_bucket_size=0\)`: must be >= 1"),
@@ -336,7 +377,8 @@ SETTINGS: tuple[Setting, ...] = (
             BadInput("schedule_fraction", lambda: PruningSchedule(end=2.0), ValueError, r"PruningSchedule\(end=2.0\)"),
         ),
     ),
-    Setting(name="prune_zero3_gpt", model=_tiny_gpt, data=_tiny_shakespeare, trainer_kwargs=_prune_zero3_gpt),
+    Setting(name="prune_zero3_gpt", model=_tiny_gpt, data=_tiny_shakespeare, trainer_kwargs=_prune_zero3_gpt,
+            mask_slack=0.01, replicated_twin=lambda: "ddp"),
     Setting(
         name="structured_ddp_cnn",
         model=_tiny_cnn,
@@ -351,6 +393,24 @@ SETTINGS: tuple[Setting, ...] = (
                      r"StructuredPruning\(importance='l1'\)"),
         ),
     ),
+    # Rows for the rest of what the README lists: fusion, DeepSpeed stage 1 (BatchNorm buffers broadcast every
+    # step), offload variants (on CPU they warn and run the offload code paths: FSDP2 for stage 2), the unbiased
+    # compressors on DDP, a bf16 reduce-scatter at ZeRO-3, the distillation cache, N:M pruning.
+    Setting(name="fusion_ddp_gpt", model=_tiny_gpt, data=_tiny_shakespeare, trainer_kwargs=_fusion_ddp_gpt),
+    Setting(name="ds_zero1_cnn", model=_tiny_cnn, data=_tiny_fashion, trainer_kwargs=_deepspeed(1)),
+    Setting(name="zero2_offload_cnn", model=_tiny_cnn, data=_tiny_fashion,
+            trainer_kwargs=lambda: {"strategy": ZeroStrategy(stage=2, min_wrap_params=1000, offload_optimizer=True)}),
+    Setting(name="zero3_offload_gpt", model=_tiny_gpt_dropout, data=_tiny_shakespeare,
+            trainer_kwargs=lambda: {"strategy": ZeroStrategy(stage=3, min_wrap_params=1000, offload_params=True)}),
+    Setting(name="ddp_int8_gpt", model=_tiny_gpt, data=_tiny_shakespeare,
+            trainer_kwargs=lambda: {"strategy": CompressedDDPStrategy(Quantize(8))}),
+    Setting(name="ddp_fp16_cnn", model=_tiny_cnn, data=_tiny_fashion,
+            trainer_kwargs=lambda: {"strategy": CompressedDDPStrategy(Cast("fp16"))}),
+    Setting(name="zero3_bf16cast_gpt", model=_tiny_gpt_dropout, data=_tiny_shakespeare,
+            trainer_kwargs=lambda: {"strategy": ZeroStrategy(stage=3, min_wrap_params=1000, compression=Cast("bf16"))},
+            ddp_atol=2e-3),
+    Setting(name="kd_cache_cnn", model=_tiny_cnn, data=_tiny_fashion, trainer_kwargs=_kd_cache_cnn),
+    Setting(name="nm_ddp_gpt", model=_tiny_gpt, data=_tiny_shakespeare, trainer_kwargs=_nm_ddp_gpt),
 )  # fmt: skip
 
 

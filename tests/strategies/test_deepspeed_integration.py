@@ -1,4 +1,4 @@
-"""ZeroStrategy(engine="deepspeed"): DeepSpeed's ZeRO engine on 2 CPU ranks over gloo, against the torch engine."""
+"""DeepSpeedZeroStrategy: DeepSpeed's ZeRO engine on 2 CPU ranks over gloo, against the torch engine."""
 
 from __future__ import annotations
 
@@ -12,8 +12,15 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_bigtrain.data import ShakespeareDataModule
 from lightning_bigtrain.models import CharGPT
-from lightning_bigtrain.strategies import DeepSpeedOptions, DeepSpeedZeroStrategy, ZeroOptions, ZeroStrategy
-from lightning_bigtrain.strategies.zero import consolidate_checkpoint, resolve_engine
+from lightning_bigtrain.strategies import (
+    DeepSpeedOptions,
+    DeepSpeedZeroStrategy,
+    ZeroOptions,
+    ZeroStrategy,
+    zero_strategy,
+)
+from lightning_bigtrain.strategies.options import resolve_engine
+from lightning_bigtrain.strategies.zero import consolidate_checkpoint
 from lightning_bigtrain.warnings import NoEffectWarning
 from tests.helpers.distributed import run_on_ranks
 
@@ -45,7 +52,7 @@ def _trajectories(rank: int) -> dict[str, list[float]]:
     the torch engine and DeepSpeed's stages 1 and 3."""
     out = {}
     runs = {"torch": (ZeroStrategy(2), 50), "torch_short": (ZeroStrategy(2), 20)} | {
-        f"deepspeed{stage}": (ZeroStrategy(stage, engine="deepspeed",
+        f"deepspeed{stage}": (DeepSpeedZeroStrategy(stage,
                                            deepspeed=DeepSpeedOptions(param_persistence_threshold=0)), steps)
         for stage, steps in ((2, 50), (1, 20), (3, 20))
     }  # fmt: skip
@@ -80,7 +87,7 @@ def test_loss_trajectories_match_the_torch_engine():
 def _save_and_export(rank: int, folder: str) -> dict:
     L.seed_everything(0, verbose=False)
     model = _model()
-    strategy = ZeroStrategy(3, engine="deepspeed", deepspeed=DeepSpeedOptions(param_persistence_threshold=0))
+    strategy = DeepSpeedZeroStrategy(3, deepspeed=DeepSpeedOptions(param_persistence_threshold=0))
     checkpoint = ModelCheckpoint(dirpath=folder, save_last=True)
     trainer = L.Trainer(strategy=strategy, max_steps=6, callbacks=[checkpoint], **_COMMON)
     trainer.fit(model, datamodule=_data())
@@ -111,20 +118,32 @@ def test_registered_names_and_the_auto_rule():
     strategy = StrategyRegistry.get("bigtrain_deepspeed_zero3_offload")
     assert isinstance(strategy, DeepSpeedZeroStrategy)
     assert (strategy.stage, strategy.offload_optimizer, strategy.offload_params) == (3, True, True)
-    assert isinstance(ZeroStrategy(2, engine="deepspeed"), DeepSpeedZeroStrategy)
+    # One class per engine: each call returns an instance of the class called.
+    assert type(DeepSpeedZeroStrategy(2)) is DeepSpeedZeroStrategy
     assert type(ZeroStrategy(2, engine="torch")) is ZeroStrategy
+    assert type(zero_strategy(2, engine="deepspeed")) is DeepSpeedZeroStrategy
     # auto: the torch engine (measured ahead), unless DeepSpeed options are given.
     assert resolve_engine("auto", stage=3) == "torch"
     assert resolve_engine("auto", stage=2, offload_optimizer=True) == "torch"
-    assert isinstance(ZeroStrategy(3, engine="auto", deepspeed=DeepSpeedOptions()), DeepSpeedZeroStrategy)
+    assert type(zero_strategy(3)) is ZeroStrategy
+    assert type(zero_strategy(3, deepspeed=DeepSpeedOptions())) is DeepSpeedZeroStrategy
+    auto = StrategyRegistry.get("bigtrain_auto_zero2")
+    assert type(auto) is ZeroStrategy and auto.stage == 2
     with pytest.warns(NoEffectWarning, match="min_wrap_params=...\\)` has no effect"):
-        ZeroStrategy(3, engine="deepspeed", min_wrap_params=10)
+        zero_strategy(3, engine="deepspeed", min_wrap_params=10)
+    with pytest.raises(ValueError, match=r"DeepSpeed's knobs need engine='deepspeed'"):
+        zero_strategy(3, engine="torch", deepspeed=DeepSpeedOptions())
+
+    class MyDeepSpeed(DeepSpeedZeroStrategy):
+        pass
+
+    assert type(MyDeepSpeed(1)) is MyDeepSpeed  # a subclass is what it says
 
 
-def test_missing_deepspeed_names_the_extra(monkeypatch):
+def test_missing_deepspeed_names_the_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "deepspeed", None)  # as if not installed: `import deepspeed` fails
-    with pytest.raises(ImportError, match=r"pip install lightning_bigtrain\[deepspeed\]"):
-        ZeroStrategy(3, engine="deepspeed")
+    with pytest.raises(ImportError, match=r"`pip install deepspeed`"):
+        DeepSpeedZeroStrategy(3)
 
 
 def _refused_at_setup(rank: int) -> list[str]:
@@ -132,8 +151,8 @@ def _refused_at_setup(rank: int) -> list[str]:
 
     messages = []
     for strategy, callbacks in [
-        (ZeroStrategy(3, engine="deepspeed", deepspeed=DeepSpeedOptions(quantized_weights=True)), []),
-        (ZeroStrategy(2, engine="deepspeed"), [MagnitudePruning(0.5)]),
+        (DeepSpeedZeroStrategy(3, deepspeed=DeepSpeedOptions(quantized_weights=True)), []),
+        (DeepSpeedZeroStrategy(2), [MagnitudePruning(0.5)]),
     ]:
         trainer = L.Trainer(strategy=strategy, max_steps=1, enable_checkpointing=False, callbacks=callbacks,
                             **{**_COMMON, "devices": 1})  # fmt: skip
@@ -151,7 +170,7 @@ def test_what_the_engine_cannot_do_is_refused():
     assert "MagnitudePruning cannot prune under DeepSpeedZeroStrategy" in pruning
     with pytest.raises(ValueError, match=r"start_method='popen'"):
         L.Trainer(accelerator="cpu", devices=2,
-                  strategy=ZeroStrategy(3, engine="deepspeed", options=ZeroOptions(start_method="fork")))  # fmt: skip
+                  strategy=DeepSpeedZeroStrategy(3, options=ZeroOptions(start_method="fork")))  # fmt: skip
 
 
 def _offload_on_cpu(rank: int) -> list[str]:

@@ -27,6 +27,9 @@ NAMES = {
     "bigtrain_deepspeed_zero3",
     "bigtrain_deepspeed_zero2_offload",
     "bigtrain_deepspeed_zero3_offload",
+    "bigtrain_auto_zero1",
+    "bigtrain_auto_zero2",
+    "bigtrain_auto_zero3",
 }
 
 

@@ -7,6 +7,7 @@ from typing import Any, get_args
 import torch
 from lightning.pytorch.plugins.precision import HalfPrecision
 from torch import nn
+from typing_extensions import override
 
 from lightning_bigtrain.functional.bf16 import CompensatedStep, Compensation, check_optimizer
 
@@ -55,6 +56,7 @@ class BF16Precision(HalfPrecision):
         self._seed: int | None = None
         self._restored: dict[str, Any] | None = None
 
+    @override
     def convert_module(self, module: nn.Module) -> nn.Module:
         dtypes = {str(p.dtype) for p in module.parameters() if p.is_floating_point()}
         others = sorted(dtypes - {"torch.float32", "torch.bfloat16"})
@@ -65,6 +67,7 @@ class BF16Precision(HalfPrecision):
             )
         return module.to(dtype=torch.bfloat16)
 
+    @override
     def connect(self, model: nn.Module, optimizers: list[Any], lr_schedulers: list[Any]) -> tuple[Any, ...]:
         from lightning_bigtrain.functional.flat_shard import FlatShardedOptimizer
 
@@ -95,11 +98,13 @@ class BF16Precision(HalfPrecision):
             self._seed = int(seed[0])
         return self._seed
 
+    @override
     def state_dict(self) -> dict[str, Any]:
         if not self.steppers:
             return {}
         return {"compensation": self.compensation, "seed": self._seed, "steps": [s.steps for s in self.steppers]}
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not state_dict:
             return

@@ -1,0 +1,84 @@
+"""Every private Lightning internal this package touches, in one place (and the base our strategy mixins
+declare to type checkers: Lightning's ``ParallelStrategy``, so that their ``@override`` marks are checked; at
+run time it is ``object`` and the strategy class they are mixed into supplies the methods).
+
+Lightning's private names (a leading underscore) may change in any release. Code elsewhere in the package
+imports them from here or calls the helpers below, so that a Lightning upgrade breaks this one module, and
+``tests/test_package.py`` imports every name here against the installed release. The range of Lightning
+releases this is written for is ``install_requires`` in ``setup.cfg`` (upper bound included); CI installs
+the newest release in it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.utilities.imports import _IS_INTERACTIVE
+from lightning.fabric.utilities.init import _materialize_distributed_module
+from lightning.fabric.utilities.load import _METADATA_FILENAME, _load_distributed_checkpoint
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput
+from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batches
+from lightning.pytorch.utilities.data import _update_dataloader
+
+if TYPE_CHECKING:
+    from lightning.pytorch.strategies import ParallelStrategy as StrategyMixinBase
+else:
+    StrategyMixinBase = object
+
+__all__ = [
+    "StrategyMixinBase",
+    "_IS_INTERACTIVE",
+    "_METADATA_FILENAME",
+    "_MultiProcessingLauncher",
+    "_StrategyRegistry",
+    "_SubprocessScriptLauncher",
+    "_WorkerOutput",
+    "_load_distributed_checkpoint",
+    "_materialize_distributed_module",
+    "_optimizers_to_device",
+    "_parse_num_batches",
+    "_update_dataloader",
+    "drop_fit_dataloaders",
+    "fit_combined_loader",
+    "forward_redirection",
+    "rewrap_ddp",
+    "should_accumulate",
+]
+
+
+def should_accumulate(trainer: Any) -> bool:
+    """Whether the current training batch only accumulates gradients (no optimizer step after it)."""
+    return bool(trainer.fit_loop.epoch_loop._should_accumulate())
+
+
+def drop_fit_dataloaders(trainer: Any) -> bool:
+    """Drop the fit loop's training dataloaders (and their fetcher) when loader states from a checkpoint are
+    still waiting to be applied, so that the loop rebuilds them with the states; returns whether it did."""
+    fit_loop = trainer.fit_loop
+    if not getattr(fit_loop, "_combined_loader_states_to_load", None) or fit_loop._combined_loader is None:
+        return False
+    if fit_loop._data_fetcher is not None:
+        fit_loop._data_fetcher.teardown()
+    fit_loop._combined_loader = None
+    return True
+
+
+def fit_combined_loader(trainer: Any) -> Any:
+    """The fit loop's ``CombinedLoader`` of training dataloaders, or None before it is built."""
+    return getattr(trainer.fit_loop, "_combined_loader", None)
+
+
+def rewrap_ddp(strategy: Any) -> None:
+    """Wrap the LightningModule in a new ``DistributedDataParallel`` (after its parameters changed shape) and
+    register the strategy's communication hooks on it again, as ``DDPStrategy.setup`` does."""
+    strategy.model = strategy._setup_model(strategy.lightning_module)
+    strategy._register_ddp_hooks()
+
+
+def forward_redirection(strategy: Any, wrapper: Any, module: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+    """Call ``module.<method>`` through ``wrapper``'s forward (so the wrapper's hooks run around it), as
+    Lightning does for DDP/FSDP-wrapped modules."""
+    return strategy._forward_redirection(wrapper, module, method, *args, **kwargs)
