@@ -29,9 +29,9 @@ else:
     StrategyMixinBase = object
 
 __all__ = [
-    "StrategyMixinBase",
     "_IS_INTERACTIVE",
     "_METADATA_FILENAME",
+    "StrategyMixinBase",
     "_MultiProcessingLauncher",
     "_StrategyRegistry",
     "_SubprocessScriptLauncher",

@@ -6,17 +6,17 @@
 See :mod:`lightning_bigtrain.functional.compression` for the methods, their papers and byte formulas.
 """
 
+from lightning_bigtrain.engines.compression import GradientCompression
 from lightning_bigtrain.functional.compression import (
+    COMPRESSION_NAMES,
     COMPRESSORS,
     Cast,
     Compressor,
-    GradientCompression,
     OneBit,
     PowerSGD,
     Quantize,
     TopK,
 )
-from lightning_bigtrain.strategies._compression import COMPRESSION_NAMES
 
 __all__ = [
     "COMPRESSION_NAMES",

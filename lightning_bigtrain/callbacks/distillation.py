@@ -15,8 +15,9 @@ import torch.distributed as dist
 from torch import nn
 from typing_extensions import override
 
+from lightning_bigtrain._logging import is_logging_step
+from lightning_bigtrain.engines.logit_cache import LogitCache
 from lightning_bigtrain.functional.distillation import (
-    LogitCache,
     agreement,
     feature_loss,
     kd_loss,
@@ -69,8 +70,7 @@ class DistillationOptions:
 def _logs_this_step(trainer: L.Trainer) -> bool:
     """Whether to log this training step's metrics: when Lightning writes them to the loggers
     (``log_every_n_steps``), and on the first and the last step so that ``callback_metrics`` always hold them."""
-    connector = getattr(trainer, "_logger_connector", None)
-    if bool(getattr(connector, "should_update_logs", True)) or trainer.global_step == 0:
+    if is_logging_step(trainer) or trainer.global_step == 0:
         return True
     last_step = trainer.max_steps is not None and 0 < trainer.max_steps <= trainer.global_step + 1
     epoch_loop = trainer.fit_loop.epoch_loop

@@ -6,20 +6,34 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Sequence
-from typing import Any, Literal, get_args
+from typing import Any, Literal, Protocol, cast, get_args
 
 import lightning as L
 import torch
 from torch import nn
+from typing_extensions import override
 
 from lightning_bigtrain.functional.fusion import fuse_optimizer, repeated_blocks, supports_fused
-from lightning_bigtrain.functional.surgery import Swap, check_kinds, refresh_swaps, restore_modules, swap_modules
+from lightning_bigtrain.functional.surgery import (
+    Swap,
+    check_kinds,
+    refresh_swaps,
+    restore_modules,
+    sdpa_fallbacks,
+    swap_modules,
+)
 from lightning_bigtrain.warnings import BigtrainWarning, NoEffectWarning, warn_once
 
 __all__ = ["OperatorFusion"]
 
 CompileMode = Literal["auto", "regional", "full", "off"]
 AUTO_LOSS_MIN_VOCAB = 8192
+
+
+class _DeclaresFusedLoss(Protocol):
+    """A module that declares the chunked LM-head loss switch (the char-GPT does)."""
+
+    fused_lm_head_loss: bool
 
 
 class OperatorFusion(L.Callback):
@@ -43,16 +57,19 @@ class OperatorFusion(L.Callback):
       left as they are, with a warning saying why.
     * ``fused_loss``: modules that declare ``fused_lm_head_loss`` (the char-GPT does) compute their training
       loss with :func:`~lightning_bigtrain.functional.fused_loss.chunked_linear_cross_entropy` when it is set:
-      ``True`` sets it, ``"auto"`` sets it from a vocabulary of 8,192 up (measured: 0.08x the peak memory at
-      0.97x the time at 32k), ``False`` leaves it. Not with KnowledgeDistillation (it needs the logits). The
-      module's flag is put back at teardown.
+      ``True`` sets it, ``"auto"`` sets it from a vocabulary of 8,192 up (below, the logits are small and
+      chunking only costs time; the measurements are in the method card, ``docs/fusion.md``), ``False`` leaves
+      it. Not with KnowledgeDistillation (it needs the logits). The module's flag is put back at teardown.
     * ``swap_modules``: module surgery (:mod:`lightning_bigtrain.functional.surgery`) before compiling.
       ``True`` swaps attention written by hand (``softmax(q @ k^T) @ v``) for ``scaled_dot_product_attention``
-      (measured 2.1x faster and without the score matrix in memory); ``"norm_activation"`` (opt-in: less
+      (a fused kernel that does not keep the score matrix for backward); ``"norm_activation"`` (opt-in: less
       activation memory for some recompute time) runs each norm + activation pair as one recomputed unit; a
       list picks kinds, ``False`` none. Swaps keep parameters and ``state_dict`` keys, follow structural pruning
       (re-traced when a module's structure changes) and are undone at teardown. Conv+BN folding is for
-      evaluation: :func:`~lightning_bigtrain.functional.surgery.fold_conv_bn`.
+      evaluation: :func:`~lightning_bigtrain.functional.surgery.fold_conv_bn`. On CPU, attention with active
+      dropout keeps its written math in training (SDPA has no fused kernel with dropout there): such swaps are
+      named in a :class:`~lightning_bigtrain.warnings.NoEffectWarning`, listed in ``fallbacks`` and logged as
+      ``fusion/swap_fallbacks``, not in ``fusion/swaps``. Speed and memory: ``docs/fusion.md``.
     * A model the compiler cannot handle (the backend fails: no working C++ compiler, an Inductor error) falls
       back to eager for the rest of the run with a warning; errors from the model's own code propagate.
     * Graph breaks (with TorchDynamo's reasons) and the number of graphs compiled during the run are reported
@@ -104,6 +121,7 @@ class OperatorFusion(L.Callback):
             )
         self._swaps_named = swap_modules is not True
         self.swaps: list[Swap] = []
+        self.fallbacks: list[Swap] = []
         self.compile = compile
         self.fused_optimizer = fused_optimizer
         self.fused_loss = fused_loss
@@ -121,6 +139,7 @@ class OperatorFusion(L.Callback):
         self._modules_compiled = 0
 
     # ------------------------------------------------------------------------------------------------ set-up
+    @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._switch_loss(trainer, pl_module)
         self._swap(trainer, pl_module)
@@ -147,12 +166,26 @@ class OperatorFusion(L.Callback):
                     f"matches the {kind!r} pattern (see lightning_bigtrain.functional.surgery).",
                     NoEffectWarning,
                 )
+        # On CPU, attention with active dropout keeps its written math in training (SDPA has no fused kernel with
+        # dropout there): said and logged as such, not counted as a swap.
+        self.fallbacks = sdpa_fallbacks(pl_module, self.swaps)
+        if self.fallbacks:
+            paths = ", ".join(s.path or type(pl_module).__name__ for s in self.fallbacks[:4])
+            warn_once(
+                f"OperatorFusion(swap_modules=...): {len(self.fallbacks)} attention swap(s) ({paths}"
+                f"{' ...' if len(self.fallbacks) > 4 else ''}) keep the written math in training: on CPU, "
+                "scaled_dot_product_attention has no fused kernel with dropout, so they run SDPA in evaluation "
+                "only. Train on a GPU, or set the attention dropout to 0, for the fused kernel.",
+                NoEffectWarning,
+            )
         if self.swaps:
             kinds = sorted({s.kind for s in self.swaps})
+            note = f"; {len(self.fallbacks)} keep the written math in training (CPU, dropout)" if self.fallbacks else ""
             rank_zero_print(trainer, f"OperatorFusion swapped {len(self.swaps)} pattern(s) ({', '.join(kinds)}) in "
-                                     f"{len({s.path for s in self.swaps})} module(s).")  # fmt: skip
+                                     f"{len({s.path for s in self.swaps})} module(s){note}.")  # fmt: skip
         for logger in trainer.loggers:
-            logger.log_metrics({"fusion/swaps": len(self.swaps)}, step=trainer.global_step)
+            logger.log_metrics({"fusion/swaps": len(self.swaps) - len(self.fallbacks),
+                                "fusion/swap_fallbacks": len(self.fallbacks)}, step=trainer.global_step)  # fmt: skip
 
     def _switch_loss(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Turn on a declared chunked LM-head loss: ``fused_loss=True``, or ``"auto"`` from a vocabulary of
@@ -175,14 +208,15 @@ class OperatorFusion(L.Callback):
             return
         from lightning_bigtrain.callbacks.distillation import KnowledgeDistillation
 
-        if any(isinstance(c, KnowledgeDistillation) for c in trainer.callbacks):
+        # `Trainer.callbacks` is set at init but not declared on the class.
+        if any(isinstance(c, KnowledgeDistillation) for c in getattr(trainer, "callbacks", ())):
             warn_once(
                 "OperatorFusion: the chunked LM-head loss stays off with KnowledgeDistillation, which needs the "
                 "student's logits.",
                 NoEffectWarning,
             )
             return
-        pl_module.fused_lm_head_loss = True
+        cast(_DeclaresFusedLoss, pl_module).fused_lm_head_loss = True
         self.fused_loss_active = True
 
     def _fuse_optimizers(self, trainer: L.Trainer) -> None:
@@ -222,6 +256,7 @@ class OperatorFusion(L.Callback):
         self._modules_compiled += len(self._compiled)
 
     # ----------------------------------------------------------------------------------------- auto trials
+    @override
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
@@ -230,6 +265,7 @@ class OperatorFusion(L.Callback):
         if self._trials:
             self._t0 = time.perf_counter()
 
+    @override
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
@@ -257,6 +293,7 @@ class OperatorFusion(L.Callback):
                                step=trainer.global_step)  # fmt: skip
 
     # ---------------------------------------------------------------------------------------------- report
+    @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         counts = _dynamo_counts()
         breaks = counts["graph_breaks"] - self._counters_at_start.get("graph_breaks", 0)
@@ -283,9 +320,10 @@ class OperatorFusion(L.Callback):
                 stacklevel=2,
             )
 
+    @override
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if self.fused_loss_active:
-            pl_module.fused_lm_head_loss = False
+            cast(_DeclaresFusedLoss, pl_module).fused_lm_head_loss = False
             self.fused_loss_active = False
         if self._trials:  # stopped during the auto trials: leave the module eager
             self._apply(pl_module, "off")
@@ -293,6 +331,7 @@ class OperatorFusion(L.Callback):
         if self.swaps:
             restore_modules(pl_module)
             self.swaps = []
+        self.fallbacks = []
 
 
 class _FallbackToEager:

@@ -31,22 +31,20 @@ Bytes are counted as a ring collective moves them per rank: an all-reduce of ``B
 from __future__ import annotations
 
 import math
-import threading
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import torch
-import torch.distributed as dist
-from torch import nn
 
-from lightning_bigtrain.functional.rng import fold_seed
+if TYPE_CHECKING:
+    from lightning_bigtrain.engines.compression import GradientCompression
 
 __all__ = [
+    "COMPRESSION_NAMES",
     "COMPRESSORS",
     "Cast",
     "Compressor",
-    "GradientCompression",
     "OneBit",
     "PowerSGD",
     "Quantize",
@@ -428,203 +426,17 @@ COMPRESSORS: dict[str, type[Compressor]] = {
 }
 
 
-class GradientCompression:
-    """Per-rank state and transport of compressed gradient averaging: error-feedback buffers and PowerSGD
-    factors keyed by parameter name, a step counter (warm-up, seeds), and byte counters.
-
-    Buckets are exchanged on one background thread in the order they are handed over, so compression
-    and communication overlap the rest of backward while every rank issues the same collectives in the
-    same order. (Chaining collectives inside ``torch.futures`` callbacks, as torch's PowerSGD hook does,
-    can block gloo's own worker threads.)
-
-    Args:
-        compressor: What to send.
-        module: The model whose parameters' gradients are exchanged (names key the state).
-        group: Process group; the default group if None.
-        seed: Base seed of PowerSGD's initial factors (shared by all ranks) and of stochastic rounding
-            (folded with rank, step and parameter, so a resumed run draws the same noise).
-    """
-
-    def __init__(self, compressor: Compressor, module: nn.Module, group: Any = None, seed: int = 0) -> None:
-        self.compressor = compressor
-        self.group = group
-        self.world = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
-        self.seed = seed
-        self.step = 0
-        self.sent_bytes = 0.0  # cumulative, ring-equivalent, per rank
-        self.dense_bytes = 0.0  # what an fp32 all-reduce of the same gradients would have sent
-        self._names: dict[int, tuple[str, int]] = {}
-        for index, (name, p) in enumerate(module.named_parameters()):
-            self._names.setdefault(id(p), (name, index))
-        self.errors: dict[str, torch.Tensor] = {}
-        self.factors: dict[str, torch.Tensor] = {}
-        # This step's updates, committed by `advance` only if all its averages were finite.
-        self._staged_errors: dict[str, torch.Tensor] = {}
-        self._staged_factors: dict[str, torch.Tensor] = {}
-        self._finite: torch.Tensor | None = None
-        self._spare: dict[str, torch.Tensor] = {}
-        self._workspaces: dict[str, torch.Tensor] = {}
-        self._executor: ThreadPoolExecutor | None = None
-        self._lock = threading.Lock()
-
-    # -- transport helpers used by the compressors (run on the exchange thread) --
-    def allreduce(self, tensor: torch.Tensor) -> None:
-        dist.all_reduce(tensor, group=self.group)
-        self.sent_bytes += allreduce_bytes(tensor.numel() * tensor.element_size(), self.world)
-
-    def allreduce_mean(self, segments: list[_Segment]) -> None:
-        if not segments:
-            return
-        flat = torch.cat([s.view for s in segments])
-        self.allreduce(flat)
-        flat.div_(self.world)
-        offset = 0
-        for s in segments:
-            s.view.copy_(flat[offset : offset + s.view.numel()])
-            offset += s.view.numel()
-
-    def allgather(self, payload: torch.Tensor) -> torch.Tensor:
-        out = torch.empty(self.world * payload.numel(), dtype=payload.dtype, device=payload.device)
-        (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, payload, group=self.group)
-        self.sent_bytes += allgather_bytes(payload.numel() * payload.element_size(), self.world)
-        return out.view(self.world, -1)
-
-    def corrected(self, segment: _Segment) -> torch.Tensor:
-        """The gradient plus its carried error, in a buffer of this engine's (shaped like the parameter;
-        the caller may overwrite it, e.g. with the residual it hands to :meth:`update_error`). Without error
-        feedback, the gradient's own view in the bucket."""
-        grad = segment.view.view(segment.shape)
-        if not self.compressor.error_feedback:
-            # Nothing to keep: compressors read (and may scribble on) it before writing the average there.
-            return grad
-        out = self._buffer(segment.name, grad)
-        error = self.errors.get(segment.name)
-        if error is None:
-            return out.copy_(grad)
-        return torch.add(grad, error.to(grad.device).view(segment.shape), out=out)
-
-    def _buffer(self, name: str, like: torch.Tensor) -> torch.Tensor:
-        """A recycled tensor shaped like ``like`` (error buffers alternate between two: the committed one
-        and the one being written), so steady-state steps allocate no large tensors."""
-        spare = self._spare.pop(name, None)
-        if spare is None or spare.numel() != like.numel() or spare.dtype != like.dtype or spare.device != like.device:
-            return torch.empty_like(like)
-        return spare.view(like.shape)
-
-    def workspace(self, key: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A reused scratch tensor of at least ``numel`` elements (only valid during one exchange)."""
-        ws = self._workspaces.get(key)
-        if ws is None or ws.numel() < numel or ws.dtype != dtype or ws.device != device:
-            ws = self._workspaces[key] = torch.empty(numel, dtype=dtype, device=device)
-        return ws[:numel]
-
-    def update_error(self, segment: _Segment, residual: torch.Tensor) -> None:
-        """Stage ``residual`` (what this rank's message left out) as the segment's next error."""
-        self._staged_errors[segment.name] = residual.reshape(-1)
-
-    def factor(self, segment: _Segment, columns: int, rank: int, dtype: torch.dtype) -> torch.Tensor:
-        """PowerSGD's ``Q`` for this parameter: the last step's, else random, identical on every rank."""
-        q = self.factors.get(segment.name)
-        if q is not None and q.shape == (columns, rank):
-            return q.to(segment.view.device)
-        generator = torch.Generator().manual_seed(fold_seed(self.seed, segment.index))
-        q = torch.randn(columns, rank, generator=generator, dtype=torch.float32)
-        return q.to(dtype=dtype, device=segment.view.device)
-
-    def set_factor(self, segment: _Segment, q: torch.Tensor) -> None:
-        self._staged_factors[segment.name] = q
-
-    def generator(self, segment: _Segment, device: torch.device) -> torch.Generator:
-        seed = fold_seed(fold_seed(fold_seed(self.seed, self.rank), self.step), segment.index)
-        return torch.Generator(device=device).manual_seed(seed)
-
-    # -- the public entry points --
-    def segments(
-        self, buffer: torch.Tensor, params: list[torch.Tensor], offsets: list[int] | None = None
-    ) -> list[_Segment]:
-        """Describe a bucket: ``params`` laid out in ``buffer`` at ``offsets`` (contiguous if None)."""
-        out, offset = [], 0
-        for i, p in enumerate(params):
-            start = offset if offsets is None else offsets[i]
-            name, index = self._names.get(id(p), (f"<unnamed {i}>", -1 - i))
-            out.append(_Segment(name, index, p.shape, buffer[start : start + p.numel()]))
-            offset = start + p.numel()
-        return out
-
-    def exchange_now(self, segments: list[_Segment]) -> None:
-        """Average the segments' gradients over the ranks, in place (blocking)."""
-        c = self.compressor
-        warm = self.step < c.warmup_steps
-        compressed = [] if warm else [s for s in segments if c.compressible(s.shape)]
-        chosen = {id(s) for s in compressed}
-        dense = [s for s in segments if id(s) not in chosen]
-        for s in segments:
-            self.dense_bytes += allreduce_bytes(s.view.numel() * 4, self.world)
-        with torch.no_grad():
-            if compressed:
-                c.exchange(self, compressed, dense)
-            else:
-                self.allreduce_mean(dense)
-            finite = _finite(torch.stack([s.view.sum(dtype=torch.float32) for s in segments]))
-            self._finite = finite if self._finite is None else self._finite & finite
-
-    def exchange(self, buffer: torch.Tensor, segments: list[_Segment]) -> torch.futures.Future[torch.Tensor]:
-        """Start averaging a bucket on the exchange thread; the future's value is ``buffer``, averaged."""
-        future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bigtrain-compression")
-
-        def run() -> None:
-            try:
-                with self._lock:
-                    self.exchange_now(segments)
-            except BaseException as err:
-                future.set_exception(err)  # type: ignore[arg-type]
-            else:
-                future.set_result(buffer)
-
-        self._executor.submit(run)
-        return future
-
-    def advance(self) -> None:
-        """End one optimizer step: commit its compression state if all its averages were finite (else
-        drop it, as the gradient scaler drops the step), and count it (warm-up and seeds follow the count)."""
-        if self._finite is None or bool(self._finite):
-            for name, error in self._staged_errors.items():
-                old = self.errors.get(name)
-                if old is not None:
-                    self._spare[name] = old
-                self.errors[name] = error
-            self.factors.update(self._staged_factors)
-        else:
-            self._spare.update(self._staged_errors)
-        self._staged_errors, self._staged_factors, self._finite = {}, {}, None
-        self.step += 1
-
-    def close(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
-
-    def state_dict(self) -> dict[str, Any]:
-        """This rank's state: error buffers are per rank; PowerSGD factors are identical on every rank."""
-        return {
-            "compressor": repr(self.compressor),
-            "step": self.step,
-            "sent_bytes": self.sent_bytes,
-            "dense_bytes": self.dense_bytes,
-            "errors": {k: v.detach().cpu().clone() for k, v in self.errors.items()},
-            "factors": {k: v.detach().cpu().clone() for k, v in self.factors.items()},
-        }
-
-    def load_state_dict(self, state: dict[str, Any], *, errors: bool = True) -> None:
-        """Restore :meth:`state_dict` (tensors move to the gradients' device when first used)."""
-        self.step = int(state["step"])
-        self.sent_bytes = float(state.get("sent_bytes", 0.0))
-        self.dense_bytes = float(state.get("dense_bytes", 0.0))
-        self.errors = dict(state["errors"]) if errors else {}
-        self.factors = dict(state["factors"])
+#: Every compressor name, with its default settings: the one table that ``compression="<name>"``, the registered
+#: strategy names (``bigtrain_ddp_<name>``) and the planner's compressed rows are read from.
+COMPRESSION_NAMES: dict[str, Callable[[], Compressor]] = {
+    "powersgd": lambda: PowerSGD(rank=4),
+    "topk": lambda: TopK(ratio=0.01),
+    "onebit": OneBit,
+    "int8": lambda: Quantize(bits=8),
+    "int4": lambda: Quantize(bits=4),
+    "fp16": lambda: Cast("fp16"),
+    "bf16": lambda: Cast("bf16"),
+}
 
 
 def _finite(x: torch.Tensor) -> torch.Tensor:

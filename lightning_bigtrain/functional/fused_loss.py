@@ -27,7 +27,7 @@ def _chunks(n: int, size: int) -> list[tuple[int, int]]:
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         hidden: Tensor,
         weight: Tensor,
@@ -60,7 +60,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         return (total / count.clamp(min=1)).to(hidden.dtype)
 
     @staticmethod
-    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
         hidden, weight, bias, targets, lse, count = ctx.saved_tensors
         acc = lse.dtype
         scale = grad_out.to(acc) / count.clamp(min=1)

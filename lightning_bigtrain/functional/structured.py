@@ -16,6 +16,7 @@ zeroing them (:func:`mask_channels_`), which the tests check.
 
 from __future__ import annotations
 
+import difflib
 import math
 import operator
 from collections.abc import Callable, Iterable, Sequence
@@ -33,6 +34,7 @@ __all__ = [
     "Slot",
     "channel_groups",
     "channel_importance",
+    "check_module_names",
     "keep_indices",
     "mask_channels_",
     "remove_channels_",
@@ -244,14 +246,20 @@ def channel_groups(
     Args:
         model: Any module; where ``torch.fx`` cannot trace it whole, its submodules are traced one by one.
         example_args: Positional arguments of ``model.forward`` (shapes are propagated on them).
-        ignore: Names of modules whose output channels must be kept (e.g. a layer shared with another model).
+        ignore: Names of modules whose output channels must be kept (e.g. a layer shared with another model), as
+            ``model.named_modules()`` gives them.
         tracer: Optional replacement for the tracer (``torch.fx`` with Hugging Face's ``Conv1D`` and activations as
             leaves).
         example_kwargs: Keyword arguments of the example call.
 
     Returns:
         Every group, prunable or blocked (``ChannelGroup.blocked`` says why).
+
+    Raises:
+        ValueError: a name in ``ignore`` is not a module of ``model`` (the closest names are suggested).
     """
+    ignore = list(ignore)
+    check_module_names(model, ignore, f"channel_groups(ignore={ignore!r})")
     untraced: list[str] = []
     found = _groups_of(model, tuple(example_args), dict(example_kwargs or {}), set(ignore), tracer or _fx_trace, "",
                        untraced)  # fmt: skip
@@ -265,6 +273,26 @@ def channel_groups(
             "forward cannot be followed."
         )
     return found
+
+
+def check_module_names(model: nn.Module, names: Iterable[str], who: str, also: Iterable[str] = ()) -> None:
+    """Raise a ValueError naming ``who`` (the argument) if a name in ``names`` is neither a module path of ``model``
+    (as ``model.named_modules()`` gives it) nor in ``also``; the message names the closest module paths."""
+    known = list(dict.fromkeys([n for n, _ in model.named_modules(remove_duplicate=False) if n] + list(also)))
+    known_set = set(known)
+    unknown = [name for name in names if name not in known_set]
+    if not unknown:
+        return
+    problems = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
+        close += [k for k in known if k.endswith(f".{name}") and k not in close][:3]
+        problems.append(f"no module {name!r}" + (f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""))
+    examples = ", ".join(map(repr, known[:6])) + (", ..." if len(known) > 6 else "")
+    raise ValueError(
+        f"{who}: {type(model).__name__} has {'; '.join(problems)}. Name modules by their paths in the model "
+        f"({examples})."
+    )
 
 
 def _groups_of(

@@ -9,7 +9,9 @@ replaced (each submodule is traced as a leaf, so parents and children are rewrit
   L x S score matrix for backward). A ``masked_fill(mask == 0, -inf)`` with a lower-triangular buffer becomes
   ``is_causal=True``; other boolean or additive masks are passed as ``attn_mask``; an ``nn.Dropout`` on the
   weights becomes ``dropout_p`` (active in training only, like the module). Equal in outputs and gradients
-  to float rounding; with dropout the same in distribution, not in the random draws.
+  to float rounding; with dropout the same in distribution, not in the random draws. On CPU, SDPA has no fused
+  kernel with dropout, so there a swap with active dropout computes the weights as written in training
+  (:func:`fused_attention`); :func:`sdpa_fallbacks` names those swaps.
 * ``"norm_activation"``: a LayerNorm / GroupNorm / RMSNorm whose only user is an activation runs as one
   recomputed unit: only the norm's input is kept for backward and norm + activation are recomputed there
   (Chen et al., 2016, "Training Deep Nets with Sublinear Memory Cost"), so the activation's saved tensor is
@@ -41,7 +43,16 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["SWAP_KINDS", "Swap", "check_kinds", "fold_conv_bn", "refresh_swaps", "restore_modules", "swap_modules"]
+__all__ = [
+    "SWAP_KINDS",
+    "Swap",
+    "check_kinds",
+    "fold_conv_bn",
+    "refresh_swaps",
+    "restore_modules",
+    "sdpa_fallbacks",
+    "swap_modules",
+]
 
 SWAP_KINDS = ("attention", "norm_activation")
 _STATE = "_bigtrain_surgery"
@@ -68,11 +79,13 @@ _NEG_INF_FILL = -1e9  # a fill at or below this is "never attend": exp underflow
 
 @dataclass(frozen=True)
 class Swap:
-    """One rewrite: where (module path, "" for the root), which kind, and what was matched."""
+    """One rewrite: where (module path, "" for the root), which kind, and what was matched; for an attention
+    swap, the dropout module on the weights (its path in the swapped module), if any."""
 
     path: str
     kind: str
     detail: str
+    dropout: str | None = None
 
 
 # ------------------------------------------------------------------------------------ replacement kernels
@@ -88,8 +101,10 @@ def fused_attention(
 ) -> torch.Tensor:
     """What an ``"attention"`` swap calls: SDPA with the matched mask, scale and (training-only) dropout.
 
-    On CPU, SDPA has no fused kernel with dropout (it runs its reference path, measured 1.4x slower than
-    the hand-written code at length 256): there the weights are computed as written."""
+    On CPU, SDPA has no fused kernel with dropout (it runs its unfused reference path, which also stores the
+    score matrix and is slower than the written code; see ``docs/fusion.md``): there, in training with
+    ``dropout_p > 0``, the weights are computed as written. :func:`sdpa_fallbacks` names the swaps this applies
+    to, so that callers do not report them as SDPA."""
     if training and dropout_p > 0 and q.device.type == "cpu":
         scores = (q @ k.transpose(-2, -1)) * scale
         if is_causal:
@@ -148,6 +163,23 @@ def refresh_swaps(model: nn.Module) -> list[Swap]:
     return found
 
 
+def sdpa_fallbacks(model: nn.Module, swaps: Iterable[Swap]) -> list[Swap]:
+    """The attention swaps of ``model`` that compute the weights as written in training instead of calling SDPA:
+    those with a dropout (``p > 0``) on the weights in a module whose tensors are on CPU (see
+    :func:`fused_attention`). In evaluation, or on another device, they run SDPA."""
+    found = []
+    for swap in swaps:
+        if swap.kind != "attention" or swap.dropout is None:
+            continue
+        module = model.get_submodule(swap.path)
+        dropout = module.get_submodule(swap.dropout)
+        tensors = itertools.chain(module.parameters(), module.buffers())
+        device = next((t.device for t in tensors), torch.device("cpu"))
+        if getattr(dropout, "p", 0.0) > 0 and device.type == "cpu":
+            found.append(swap)
+    return found
+
+
 def restore_modules(model: nn.Module) -> int:
     """Give every swapped module of ``model`` its own forward back; returns how many were restored."""
     restored = 0
@@ -174,12 +206,9 @@ def fold_conv_bn(model: nn.Module, *, inplace: bool = False) -> nn.Module:
     for _, module in list(target.named_modules()):
         for conv_name, bn_name in _conv_bn_pairs(module):
             conv, bn = module.get_submodule(conv_name), module.get_submodule(bn_name)
-            if bn.running_mean is None or bn.running_var is None:
-                raise ValueError(
-                    f"fold_conv_bn: {type(module).__name__}.{bn_name} has no running statistics "
-                    "(track_running_stats=False); it normalizes with batch statistics and cannot be folded."
-                )
-            _fold_into(conv, bn)
+            if not (isinstance(conv, _CONVS) and isinstance(bn, _BNS)):  # _conv_bn_pairs chose them by type
+                raise TypeError(f"fold_conv_bn: {conv_name} -> {bn_name} is not a Conv -> BatchNorm pair.")
+            _fold_into(conv, bn, f"{type(module).__name__}.{bn_name}")
             _set_submodule(module, bn_name, nn.Identity())
     return target
 
@@ -259,14 +288,14 @@ def _rewrite(module: nn.Module, path: str, kinds: tuple[str, ...]) -> list[Swap]
         return []
     swaps: list[Swap] = []
     if "attention" in kinds:
-        swaps += [Swap(path, "attention", d) for d in _swap_attention(graph, module)]
+        swaps += [Swap(path, "attention", d, dropout) for d, dropout in _swap_attention(graph, module)]
     if "norm_activation" in kinds:
         swaps += [Swap(path, "norm_activation", d) for d in _swap_norm_activation(graph, module)]
     if not swaps:
         return []
     graph.lint()
     gm = fx.GraphModule(module, graph)
-    missing = [n.target for n in graph.nodes if n.op in ("get_attr", "call_module") and not _has_attr(module, n.target)]
+    missing = [n.target for n in graph.nodes if n.op in ("get_attr", "call_module") and not _has_attr(module, _path(n))]
     if missing:  # constants the tracer created live on the GraphModule only: keep the module as it is
         return []
     module.__dict__[_STATE] = _State(path, kinds, _structure_key(module), type(gm).forward, swaps)
@@ -281,6 +310,13 @@ def _has_attr(module: nn.Module, target: str) -> bool:
             return False
         obj = getattr(obj, part)
     return True
+
+
+def _path(node: fx.Node) -> str:
+    """The attribute path a ``call_module`` or ``get_attr`` node refers to (their targets are strings)."""
+    if not isinstance(node.target, str):
+        raise TypeError(f"{node.op} node {node.name} has a non-string target {node.target!r}")
+    return node.target
 
 
 def _only_user(node: fx.Node) -> fx.Node | None:
@@ -332,8 +368,9 @@ def _erase_dead(graph: fx.Graph, matched: Iterable[fx.Node]) -> None:
 
 
 # ------------------------------------------------------------------------------------- attention pattern
-def _swap_attention(graph: fx.Graph, module: nn.Module) -> list[str]:
-    done = []
+def _swap_attention(graph: fx.Graph, module: nn.Module) -> list[tuple[str, str | None]]:
+    """Rewrite each matched attention in ``graph``; per match, its description and its dropout module's path."""
+    done: list[tuple[str, str | None]] = []
     for softmax in [n for n in graph.nodes if _is_softmax(n)]:
         match = _match_attention(softmax, module)
         if match is None:
@@ -344,6 +381,8 @@ def _swap_attention(graph: fx.Graph, module: nn.Module) -> list[str]:
                 mask = graph.call_function(torch.logical_not, (mask[1],))
             if isinstance(scale, tuple):  # divided by a computed value
                 scale = graph.call_function(operator.truediv, (1.0, scale[1]))
+            p: float | fx.Node
+            training: bool | fx.Node
             if dropout is None:
                 p, training = 0.0, False
             else:
@@ -352,10 +391,9 @@ def _swap_attention(graph: fx.Graph, module: nn.Module) -> list[str]:
         out.replace_all_uses_with(new)
         _erase_dead(graph, [out, *reversed(chain)])
         given = "none" if mask is None else "given"
-        done.append(
-            f"softmax(q @ k^T) @ v -> scaled_dot_product_attention(is_causal={causal}, mask={given}, "
-            f"dropout={'none' if dropout is None else dropout})"
-        )
+        detail = (f"softmax(q @ k^T) @ v -> scaled_dot_product_attention(is_causal={causal}, mask={given}, "
+                  f"dropout={'none' if dropout is None else dropout})")  # fmt: skip
+        done.append((detail, dropout))
     return done
 
 
@@ -373,8 +411,8 @@ def _match_attention(softmax: fx.Node, module: nn.Module) -> tuple[Any, ...] | N
     chain = [softmax]
     after = _only_user(softmax)
     dropout = None
-    if after is not None and after.op == "call_module" and isinstance(module.get_submodule(after.target), nn.Dropout):
-        dropout = after.target
+    if after is not None and after.op == "call_module" and isinstance(module.get_submodule(_path(after)), nn.Dropout):
+        dropout = _path(after)
         chain.append(after)
         after = _only_user(after)
     if after is None or after.op != "call_function" or after.target not in _MATMUL or after.args[0] is not chain[-1]:
@@ -469,7 +507,7 @@ def _is_causal_condition(cond: Any, module: nn.Module) -> bool:
             return False
     if not (isinstance(sliced, fx.Node) and sliced.op == "get_attr"):
         return False
-    buffer = module.get_buffer(sliced.target) if _has_attr(module, sliced.target) else None
+    buffer = module.get_buffer(_path(sliced)) if _has_attr(module, _path(sliced)) else None
     if not isinstance(buffer, torch.Tensor) or buffer.dim() < 2 or buffer.shape[-1] != buffer.shape[-2]:
         return False
     if any(d != 1 for d in buffer.shape[:-2]) or len(index) > buffer.dim():
@@ -482,15 +520,17 @@ def _is_causal_condition(cond: Any, module: nn.Module) -> bool:
 def _swap_norm_activation(graph: fx.Graph, module: nn.Module) -> list[str]:
     done = []
     for norm in [n for n in graph.nodes if n.op == "call_module"]:
-        if not isinstance(module.get_submodule(norm.target), _NORMS):
+        if not isinstance(module.get_submodule(_path(norm)), _NORMS):
             continue
         act = _only_user(norm)
         if act is None or act.args[:1] != (norm,):
             continue
-        if act.op == "call_module" and isinstance(module.get_submodule(act.target), _ACT_MODULES):
+        args: tuple[Any, ...]
+        kwargs: dict[str, Any]
+        if act.op == "call_module" and isinstance(module.get_submodule(_path(act)), _ACT_MODULES):
             if len(act.args) != 1 or act.kwargs:
                 continue
-            name = act.target
+            name = _path(act)
             args, kwargs = (), {}
         elif act.op == "call_function" and act.target in _ACT_FUNCTIONS:
             name = _ACT_FUNCTIONS[act.target]
@@ -503,8 +543,8 @@ def _swap_norm_activation(graph: fx.Graph, module: nn.Module) -> list[str]:
         if any(isinstance(a, fx.Node) for a in (*args, *kwargs.values())):
             continue
         with graph.inserting_before(act):
-            norm_mod = graph.get_attr(norm.target)
-            fn = graph.get_attr(act.target) if act.op == "call_module" else name
+            norm_mod = graph.get_attr(_path(norm))
+            fn = graph.get_attr(_path(act)) if act.op == "call_module" else name
             new = graph.call_function(recomputed_norm_activation, (norm.args[0], norm_mod, fn, args, kwargs))
         act.replace_all_uses_with(new)
         graph.erase_node(act)
@@ -532,29 +572,37 @@ def _conv_bn_pairs(module: nn.Module) -> list[tuple[str, str]]:
     calls: dict[str, int] = {}
     for n in graph.nodes:
         if n.op == "call_module":
-            calls[n.target] = calls.get(n.target, 0) + 1
+            calls[_path(n)] = calls.get(_path(n), 0) + 1
     pairs = []
     for n in graph.nodes:
-        if n.op != "call_module" or not isinstance(module.get_submodule(n.target), _CONVS):
+        if n.op != "call_module" or not isinstance(module.get_submodule(_path(n)), _CONVS):
             continue
         user = _only_user(n)
-        if (user is not None and user.op == "call_module" and isinstance(module.get_submodule(user.target), _BNS)
-                and user.args[:1] == (n,) and calls[n.target] == 1 and calls[user.target] == 1):  # fmt: skip
-            pairs.append((n.target, user.target))
+        if (user is not None and user.op == "call_module" and isinstance(module.get_submodule(_path(user)), _BNS)
+                and user.args[:1] == (n,) and calls[_path(n)] == 1 and calls[_path(user)] == 1):  # fmt: skip
+            pairs.append((_path(n), _path(user)))
     return pairs
 
 
 @torch.no_grad()
-def _fold_into(conv: nn.Conv2d, bn: nn.BatchNorm2d) -> None:
+def _fold_into(
+    conv: nn.Conv1d | nn.Conv2d | nn.Conv3d, bn: nn.BatchNorm1d | nn.BatchNorm2d | nn.BatchNorm3d, where: str
+) -> None:
+    mean, var = bn.running_mean, bn.running_var
+    if mean is None or var is None:
+        raise ValueError(
+            f"fold_conv_bn: {where} has no running statistics (track_running_stats=False); it normalizes with "
+            "batch statistics and cannot be folded."
+        )
     if conv.out_channels != bn.num_features:
         raise ValueError(f"fold_conv_bn: {conv} feeds {bn} with a different channel count.")
-    gamma = bn.weight if bn.weight is not None else torch.ones_like(bn.running_mean)
-    beta = bn.bias if bn.bias is not None else torch.zeros_like(bn.running_mean)
-    factor = gamma / torch.sqrt(bn.running_var + bn.eps)
+    gamma = bn.weight if bn.weight is not None else torch.ones_like(mean)
+    beta = bn.bias if bn.bias is not None else torch.zeros_like(mean)
+    factor = gamma / torch.sqrt(var + bn.eps)
     shape = (-1,) + (1,) * (conv.weight.dim() - 1)
     conv.weight.mul_(factor.reshape(shape).to(conv.weight.dtype))
-    bias = conv.bias if conv.bias is not None else torch.zeros_like(bn.running_mean)
-    new_bias = (bias - bn.running_mean) * factor + beta
+    bias = conv.bias if conv.bias is not None else torch.zeros_like(mean)
+    new_bias = (bias - mean) * factor + beta
     conv.bias = nn.Parameter(new_bias.to(conv.weight.dtype), requires_grad=conv.weight.requires_grad)
 
 

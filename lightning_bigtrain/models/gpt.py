@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.utilities.types import OptimizerLRSchedulerConfig
 from torch import nn
+from typing_extensions import override
 
 from lightning_bigtrain.functional.fused_loss import chunked_linear_cross_entropy
 
@@ -49,6 +50,8 @@ class WrittenAttention(CausalSelfAttention):
     """The same attention (weights, head declaration) written out as many GPT reimplementations write it:
     ``softmax(q k^T / sqrt(d))`` with a lower-triangular mask buffer and a dropout module on the weights, then
     ``@ v``. Stands for "a user's hand-written attention" (``CharGPT(attention="written")``)."""
+
+    mask: torch.Tensor  # the registered buffer (nn.Module's attribute lookup is typed Tensor | Module)
 
     def __init__(self, n_embd: int, n_head: int, dropout: float = 0.0, block_size: int = 128) -> None:
         super().__init__(n_embd, n_head, dropout)
@@ -162,6 +165,7 @@ class CharGPT(L.LightningModule):
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
+    @override
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (batch x time x vocab) of token ids (batch x time); with ``targets``, the mean cross-entropy
         (through the chunked LM-head loss when ``fused_lm_head_loss`` is set). The loss is computed inside
@@ -188,14 +192,17 @@ class CharGPT(L.LightningModule):
         logits = self(idx)
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
 
+    @override
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch)
         self.log("train_loss", loss, prog_bar=True)
         return loss
 
+    @override
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         self.log("val_loss", self._loss(batch), prog_bar=True, sync_dist=True)
 
+    @override
     def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         self.log("test_loss", self._loss(batch), sync_dist=True)
 
@@ -207,6 +214,7 @@ class CharGPT(L.LightningModule):
             idx = torch.cat([idx, torch.multinomial(F.softmax(logits, dim=-1), 1)], dim=1)
         return idx
 
+    @override
     def configure_optimizers(self) -> OptimizerLRSchedulerConfig:
         embeddings = {id(self.tok_emb.weight), id(self.pos_emb.weight)}
         decay = [p for p in self.parameters() if p.ndim >= 2 and id(p) not in embeddings]

@@ -3,8 +3,10 @@
 from lightning_bigtrain.planning.planner import (
     COMPRESSED_STRATEGIES,
     STRATEGIES,
+    Cluster,
     Plan,
     PlanRow,
+    Workload,
     parse_bandwidth,
     parse_bytes,
     plan,
@@ -14,8 +16,10 @@ from lightning_bigtrain.planning.planner import (
 __all__ = [
     "COMPRESSED_STRATEGIES",
     "STRATEGIES",
+    "Cluster",
     "Plan",
     "PlanRow",
+    "Workload",
     "parse_bandwidth",
     "parse_bytes",
     "plan",

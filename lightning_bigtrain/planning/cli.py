@@ -8,7 +8,7 @@ import importlib
 from pathlib import Path
 from typing import Any
 
-from lightning_bigtrain.planning.planner import plan
+from lightning_bigtrain.planning.planner import Cluster, Workload, plan
 
 __all__ = ["main"]
 
@@ -59,12 +59,14 @@ def main(argv: list[str]) -> int:
             shape = (int(data_args["batch_size"]), int(data_args["block_size"]))
     precision = args.precision or str(config.get("trainer", {}).get("precision", "32-true"))
     try:
-        result = plan(model, devices=args.devices, num_nodes=args.num_nodes, device_memory=args.device_memory,
-                      intra_node_bandwidth=args.intra_node_bandwidth, inter_node_bandwidth=args.inter_node_bandwidth,
-                      batch_shape=shape, input_dtype=torch.long if shape and len(shape) == 2 else torch.float32,
-                      optimizer=args.optimizer, precision=precision,
-                      activation_checkpointing=args.activation_checkpointing, accelerator=args.accelerator)  # fmt: skip
-    except ValueError as err:
+        cluster = Cluster(devices=args.devices, num_nodes=args.num_nodes, device_memory=args.device_memory,
+                          intra_node_bandwidth=args.intra_node_bandwidth,
+                          inter_node_bandwidth=args.inter_node_bandwidth, accelerator=args.accelerator)  # fmt: skip
+        workload = Workload(batch_shape=shape, input_dtype=torch.long if shape and len(shape) == 2 else torch.float32,
+                            optimizer=args.optimizer, precision=precision,
+                            activation_checkpointing=args.activation_checkpointing)  # fmt: skip
+        result = plan(model, cluster=cluster, workload=workload)
+    except (TypeError, ValueError) as err:
         parser.error(str(err))
     print(result.table())
     out = Path(args.output)
@@ -74,7 +76,7 @@ def main(argv: list[str]) -> int:
         print("no configuration fits; no config written")
         return 1
     recommended = copy.deepcopy(config)
-    recommended.setdefault("trainer", {}).update(result.trainer_config(args.devices, args.num_nodes))
+    recommended.setdefault("trainer", {}).update(result.trainer_config())
     (out / "plan.yaml").write_text(yaml.safe_dump(recommended, sort_keys=False))
     print(
         f"recommended: {result.recommendation}; wrote {out / 'plan.yaml'} (bigtrain fit --config {out / 'plan.yaml'})"

@@ -2,12 +2,15 @@
 
 Model states follow what this package's strategies hold (the ZeRO formulas of Rajbhandari et al., 2020,
 with the dtypes of the chosen precision); activations are measured by a forward and backward pass on fake
-tensors (no memory, no data); bytes sent per step are counted as the strategies count them (ring
-equivalent: (N-1)/N of each gathered output or reduce-scattered input; an all-reduce twice that), from the
-same bucket and sharding-unit layout the strategies build; communication time uses the latency-bandwidth
-model of ring collectives (Thakur et al., "Optimization of collective communication operations in MPICH",
-2005): a ring step costs ``alpha + bytes / beta``, an all-gather or reduce-scatter takes N-1 steps of
-M/N bytes, an all-reduce 2(N-1). Across nodes the ring is limited by the inter-node link.
+tensors (no memory, no data) in the precision's dtypes: 16-bit weights and inputs for the ``-true`` precisions
+and BF16Precision, autocast to 16 bits for the ``-mixed`` ones. The fake tensors live on CPU, so CPU autocast's
+op lists apply; CUDA's runs a few more ops in fp32 on 16-bit inputs (softmax, layer and group norm). Bytes sent
+per step are counted as the strategies count them (ring equivalent: (N-1)/N of each gathered output or
+reduce-scattered input; an all-reduce twice that), from the same bucket and sharding-unit layout the strategies
+build; communication time uses the latency-bandwidth model of ring collectives (Thakur et al., "Optimization of
+collective communication operations in MPICH", 2005): a ring step costs ``alpha + bytes / beta``, an all-gather
+or reduce-scatter takes N-1 steps of M/N bytes, an all-reduce 2(N-1). Across nodes the ring is limited by the
+inter-node link. The method card, with the planner against measured runs, is ``docs/planning.md``.
 
 Compressed rows (``ddp_<compressor>``, ``zero1_<compressor>``, and ``zero2_fp16`` / ``zero3_fp16``) use each
 compressor's own byte formula per parameter (``Compressor.sent_bytes``; dense fp32/grad-dtype all-reduce for
@@ -18,24 +21,29 @@ compressed row that fits when it is faster.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import operator
 import re
 import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
+from lightning_bigtrain.functional.compression import COMPRESSION_NAMES
 from lightning_bigtrain.warnings import BigtrainWarning
 
 __all__ = [
     "COMPRESSED_STRATEGIES",
     "STRATEGIES",
+    "Cluster",
     "Plan",
     "PlanRow",
+    "Workload",
     "parse_bandwidth",
     "parse_bytes",
     "plan",
@@ -43,7 +51,8 @@ __all__ = [
 ]
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload")
-_COMPRESSORS = ("powersgd", "topk", "onebit", "int8", "int4", "fp16")
+# bf16 moves the bytes fp16 does: one row stands for both.
+_COMPRESSORS = tuple(name for name in COMPRESSION_NAMES if name != "bf16")
 #: Compressed rows: (base row, compressor name from ``lightning_bigtrain.compression.COMPRESSION_NAMES``).
 COMPRESSED_STRATEGIES: dict[str, tuple[str, str]] = {
     **{f"ddp_{c}": ("ddp", c) for c in _COMPRESSORS},
@@ -73,6 +82,18 @@ _PRECISIONS: dict[str, tuple[int, int, float, int]] = {
     "bf16-true": (2, 2, 0.5, 0),
     "bigtrain-bf16-kahan": (2, 2, 0.5, 2),
     "bigtrain-bf16-stochastic": (2, 2, 0.5, 0),
+}
+# The dtype the forward computes in per precision, and whether by autocast (over fp32 weights) or with the weights
+# and inputs cast to it (Lightning's "-true" precisions and BF16Precision).
+_COMPUTE: dict[str, tuple[torch.dtype | None, bool]] = {
+    "32-true": (None, False),
+    "32": (None, False),
+    "16-mixed": (torch.float16, True),
+    "bf16-mixed": (torch.bfloat16, True),
+    "16-true": (torch.float16, False),
+    "bf16-true": (torch.bfloat16, False),
+    "bigtrain-bf16-kahan": (torch.bfloat16, False),
+    "bigtrain-bf16-stochastic": (torch.bfloat16, False),
 }
 # fp32 optimizer-state bytes per parameter.
 _OPTIMIZERS = {"adamw": 8, "adam": 8, "sgd": 4, "sgd-nomomentum": 0, "adagrad": 4, "rmsprop": 4}
@@ -168,6 +189,8 @@ class Plan:
     activation_checkpointing: bool
     recommendation: str | None
     notes: list[str] = field(default_factory=list)
+    cluster: Cluster | None = None
+    workload: Workload | None = None
 
     def __getitem__(self, strategy: str) -> PlanRow:
         return self.rows[strategy]
@@ -189,10 +212,16 @@ class Plan:
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
-    def trainer_config(self, devices: int, num_nodes: int) -> dict[str, Any]:
-        """The recommended Trainer arguments, as ``bigtrain fit`` reads them under ``trainer:``."""
+    def trainer_config(self, devices: int | None = None, num_nodes: int | None = None) -> dict[str, Any]:
+        """The recommended Trainer arguments, as ``bigtrain fit`` reads them under ``trainer:``; ``devices`` and
+        ``num_nodes`` default to the plan's :class:`Cluster`."""
         if self.recommendation is None:
             raise ValueError("No configuration fits; see `Plan.notes` for what would.")
+        if devices is None or num_nodes is None:
+            if self.cluster is None:
+                raise ValueError("`Plan.trainer_config()`: give `devices` and `num_nodes` (the plan has no Cluster).")
+            devices = self.cluster.devices if devices is None else devices
+            num_nodes = self.cluster.num_nodes if num_nodes is None else num_nodes
         config: dict[str, Any] = {"devices": devices, "num_nodes": num_nodes,
                                   "strategy": STRATEGY_NAMES[self.recommendation]}  # fmt: skip
         if self.precision.startswith("bigtrain-bf16-"):
@@ -239,6 +268,133 @@ class Plan:
 
 def _gib(value: float) -> str:
     return f"{value / 2**30:.2f}"
+
+
+def _positive_int(value: Any) -> int | None:
+    """``value`` as an int if it is an integer >= 1 (Python's or numpy's, not a bool), else None."""
+    if isinstance(value, bool):
+        return None
+    try:
+        number = operator.index(value)
+    except TypeError:
+        return None
+    return number if number >= 1 else None
+
+
+def _count(instance: Any, name: str) -> None:
+    """Check that field ``name`` is an integer >= 1 and store it as a Python int."""
+    value = getattr(instance, name)
+    number = _positive_int(value)
+    if number is None:
+        raise ValueError(f"`{type(instance).__name__}({name}={value!r})`: must be an int >= 1.")
+    object.__setattr__(instance, name, number)
+
+
+def _flag(who: str, name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"`{who}({name}={value!r})`: pass True or False.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cluster:
+    """The hardware a :func:`plan` is for. Sizes and rates take units (``"80GB"``, ``"24GiB"``, ``"25Gbps"``,
+    ``"400GB/s"``) or plain numbers (bytes, bytes per second); every field is checked when the object is made.
+
+    Attributes:
+        devices: Devices per node.
+        num_nodes: Nodes.
+        device_memory: Memory per device, e.g. ``"80GB"``.
+        intra_node_bandwidth: Link between devices of a node, e.g. ``"300GB/s"``.
+        inter_node_bandwidth: Link between nodes, e.g. ``"25Gbps"``.
+        host_bandwidth: Device <-> host copies of offloaded states, e.g. ``"25GB/s"``.
+        host_memory: Host memory per node for offloaded states (all of a node's devices share it); ``None``
+            leaves it unchecked.
+        latency: Seconds per ring step (alpha).
+        accelerator: ``"cuda"`` or ``"cpu"`` (on CPU offloading moves nothing: offload rows equal stage 3).
+    """
+
+    devices: int
+    num_nodes: int = 1
+    device_memory: str | int = "80GB"
+    intra_node_bandwidth: str | float = "300GB/s"
+    inter_node_bandwidth: str | float = "25Gbps"
+    host_bandwidth: str | float = "25GB/s"
+    host_memory: str | int | None = None
+    latency: float = 10e-6
+    accelerator: str = "cuda"
+
+    def __post_init__(self) -> None:
+        who = type(self).__name__
+        _count(self, "devices")
+        _count(self, "num_nodes")
+        if parse_bytes(self.device_memory, "device_memory") <= 0:
+            raise ValueError(f"`{who}(device_memory={self.device_memory!r})`: must be above 0 bytes.")
+        for name in ("intra_node_bandwidth", "inter_node_bandwidth", "host_bandwidth"):
+            if parse_bandwidth(getattr(self, name), name) <= 0:
+                raise ValueError(f"`{who}({name}={getattr(self, name)!r})`: must be above 0.")
+        if self.host_memory is not None:
+            parse_bytes(self.host_memory, "host_memory")
+        if isinstance(self.latency, bool) or not isinstance(self.latency, int | float) or not self.latency >= 0:
+            raise ValueError(f"`{who}(latency={self.latency!r})`: seconds per ring step, a number >= 0.")
+        if self.accelerator not in ("cuda", "cpu"):
+            raise ValueError(f"`{who}(accelerator={self.accelerator!r})`: choose 'cuda' or 'cpu'.")
+
+    @property
+    def world_size(self) -> int:
+        return self.devices * self.num_nodes
+
+
+@dataclass(frozen=True, kw_only=True)
+class Workload:
+    """What a :func:`plan` trains: input, precision, optimizer and memory options. Every field is checked when
+    the object is made.
+
+    Attributes:
+        batch_shape: Per-device input batch shape, e.g. ``(32, 128)``; needed to measure activations.
+        input_dtype: Input dtype (``torch.long`` for token models).
+        optimizer: ``"adamw"``, ``"adam"``, ``"sgd"``, ``"sgd-nomomentum"``, ``"adagrad"``, ``"rmsprop"``.
+        precision: As Lightning spells it (``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"``, ``"bf16-true"``,
+            ...), or ``"bigtrain-bf16-kahan"`` / ``"bigtrain-bf16-stochastic"`` for BF16Precision. Activations
+            are measured in its dtypes (see the module docstring).
+        activation_checkpointing: Count activations as if each repeated block were checkpointed.
+        compression: Add the compressed rows (:data:`COMPRESSED_STRATEGIES`; PowerSGD rows need a model).
+    """
+
+    batch_shape: tuple[int, ...] | None = None
+    input_dtype: torch.dtype = torch.long
+    optimizer: str = "adamw"
+    precision: str = "32-true"
+    activation_checkpointing: bool = False
+    compression: bool = True
+
+    def __post_init__(self) -> None:
+        who = type(self).__name__
+        if self.batch_shape is not None:
+            shape = self.batch_shape
+            sequence = isinstance(shape, Sequence) and not isinstance(shape, str)
+            dims = [_positive_int(d) for d in shape] if sequence else []
+            if not dims or None in dims:
+                raise ValueError(f"`{who}(batch_shape={shape!r})`: a shape of ints >= 1, e.g. (32, 128).")
+            object.__setattr__(self, "batch_shape", tuple(dims))
+        if not isinstance(self.input_dtype, torch.dtype):
+            raise TypeError(f"`{who}(input_dtype={self.input_dtype!r})`: a torch.dtype, e.g. torch.long.")
+        if self.optimizer not in _OPTIMIZERS:
+            raise ValueError(f"`{who}(optimizer={self.optimizer!r})`: choose one of {', '.join(_OPTIMIZERS)}.")
+        if self.precision not in _PRECISIONS:
+            raise ValueError(f"`{who}(precision={self.precision!r})`: choose one of {', '.join(_PRECISIONS)}.")
+        _flag(who, "activation_checkpointing", self.activation_checkpointing)
+        _flag(who, "compression", self.compression)
+
+
+_D = TypeVar("_D", Cluster, Workload)
+
+
+def _from_keywords(cls: type[_D], given: dict[str, Any]) -> _D:
+    """``cls(**given)`` for :func:`plan`'s keyword form; its errors name ``plan(...)``, where the value was given."""
+    try:
+        return cls(**given)
+    except (TypeError, ValueError) as err:
+        raise type(err)(str(err).replace(f"`{cls.__name__}(", "`plan(", 1)) from None
 
 
 class _Lifetimes:
@@ -288,8 +444,23 @@ class _Lifetimes:
         return peak
 
 
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Tensors created without a dtype get ``dtype`` (as in Lightning's ``-true`` precisions' forward)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
 def measure_activations(
-    model: nn.Module, example: torch.Tensor, *, checkpoint_blocks: Sequence[nn.Module] = ()
+    model: nn.Module,
+    example: torch.Tensor,
+    *,
+    checkpoint_blocks: Sequence[nn.Module] = (),
+    precision: str = "32-true",
 ) -> tuple[float, float, float]:
     """Bytes the forward pass saves for backward (activations), measured on fake tensors: without and
     with activation checkpointing of ``checkpoint_blocks`` (each block then keeps only its input, and the
@@ -297,8 +468,15 @@ def measure_activations(
     the most bytes live at once during forward and backward (saved activations still held, gradients of
     activations, temporaries), parameter gradients excluded since they are model states.
 
+    The pass runs in ``precision``'s dtypes: for the ``-true`` precisions (and BF16Precision's) on 16-bit copies
+    of the weights, buffers and floating inputs, with 16 bits as the default dtype; for the ``-mixed`` ones under
+    CPU autocast to 16 bits, so the 16-bit copies of the weights that the layers keep for backward count too.
+
     Parameters are not counted (they are model states). Raises on models that cannot run on fake tensors.
     """
+    if precision not in _COMPUTE:
+        raise ValueError(f"`measure_activations(precision={precision!r})`: choose one of {', '.join(_COMPUTE)}.")
+    dtype, autocast = _COMPUTE[precision]
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
@@ -344,15 +522,26 @@ def measure_activations(
         hooks += [block.register_forward_pre_hook(before), block.register_forward_hook(after)]
     try:
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-            params = {n: mode.from_tensor(p).requires_grad_(p.requires_grad) for n, p in model.named_parameters()}
-            buffers = {n: mode.from_tensor(b) for n, b in model.named_buffers()}
+
+            def fake(t: torch.Tensor) -> torch.Tensor:
+                f = mode.from_tensor(t)
+                cast = dtype is not None and not autocast and f.is_floating_point()
+                return f.to(dtype).detach() if cast else f  # fake: the real tensors are not copied
+
+            params = {n: fake(p).requires_grad_(p.requires_grad) for n, p in model.named_parameters()}
+            buffers = {n: fake(b) for n, b in model.named_buffers()}
             for t in (*params.values(), *buffers.values()):
                 param_storages.add(storage_key(t))
-            x = mode.from_tensor(example)
+            x = fake(example)
+            if dtype is None:
+                context: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+            else:
+                context = torch.autocast("cpu", dtype=dtype) if autocast else _default_dtype(dtype)
             with Track():
-                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                    out = torch.func.functional_call(model, {**params, **buffers}, (x,))
-                loss = (out if isinstance(out, torch.Tensor) else out[0]).float().mean()
+                with context:  # the forward and the loss, as in a training step; backward outside, as in a run
+                    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                        out = torch.func.functional_call(model, {**params, **buffers}, (x,))
+                    loss = (out if isinstance(out, torch.Tensor) else out[0]).float().mean()
                 del out
                 loss.backward()
                 del loss
@@ -377,57 +566,83 @@ def _repeated_blocks(model: nn.Module) -> list[nn.Module]:
 def plan(
     model_or_num_params: nn.Module | int,
     *,
-    devices: int,
-    num_nodes: int = 1,
-    device_memory: str | int = "80GB",
-    intra_node_bandwidth: str | float = "300GB/s",
-    inter_node_bandwidth: str | float = "25Gbps",
-    host_bandwidth: str | float = "25GB/s",
+    cluster: Cluster | None = None,
+    workload: Workload | None = None,
+    devices: int | None = None,
+    num_nodes: int | None = None,
+    device_memory: str | int | None = None,
+    intra_node_bandwidth: str | float | None = None,
+    inter_node_bandwidth: str | float | None = None,
+    host_bandwidth: str | float | None = None,
     host_memory: str | int | None = None,
-    latency: float = 10e-6,
+    latency: float | None = None,
     batch_shape: Sequence[int] | None = None,
-    input_dtype: torch.dtype = torch.long,
-    optimizer: str = "adamw",
-    precision: str = "32-true",
-    activation_checkpointing: bool = False,
-    accelerator: str = "cuda",
-    compression: bool = True,
+    input_dtype: torch.dtype | None = None,
+    optimizer: str | None = None,
+    precision: str | None = None,
+    activation_checkpointing: bool | None = None,
+    accelerator: str | None = None,
+    compression: bool | None = None,
 ) -> Plan:
     """Predict per-device memory and communication of DDP and each ZeRO variant, and recommend one.
+
+    ``plan(model, cluster=Cluster(devices=8, ...), workload=Workload(batch_shape=(32, 128), ...))``; the fields
+    of both can also be given as keywords, ``plan(model, devices=8, batch_shape=(32, 128), ...)`` (one form per
+    dataclass: a ``cluster`` together with hardware keywords is refused). The method card is
+    ``docs/planning.md``.
 
     Args:
         model_or_num_params: The model (measured: parameters, sharding units, activations) or a parameter
             count (model states and communication from the formulas only; activations 0).
-        devices: Devices per node.
-        num_nodes: Nodes.
-        device_memory: Memory per device, e.g. ``"80GB"``.
-        intra_node_bandwidth: Link between devices of a node, e.g. ``"300GB/s"``.
-        inter_node_bandwidth: Link between nodes, e.g. ``"25Gbps"``.
-        host_bandwidth: Device <-> host copies of offloaded states, e.g. ``"25GB/s"``.
-        host_memory: Host memory per node for offloaded states (all of a node's devices share it); ``None``
-            leaves it unchecked.
-        latency: Seconds per ring step (alpha).
-        batch_shape: Per-device input batch shape, e.g. ``(32, 128)``; needed to measure activations.
-        input_dtype: Input dtype (``torch.long`` for token models).
-        optimizer: ``"adamw"``, ``"adam"``, ``"sgd"``, ``"sgd-nomomentum"``, ``"adagrad"``, ``"rmsprop"``.
-        precision: As Lightning spells it (``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"``, ``"bf16-true"``,
-            ...), or ``"bigtrain-bf16-kahan"`` / ``"bigtrain-bf16-stochastic"`` for BF16Precision.
-        activation_checkpointing: Count activations as if each repeated block were checkpointed.
-        accelerator: ``"cuda"`` or ``"cpu"`` (on CPU offloading moves nothing: offload rows equal stage 3).
-        compression: Add the compressed rows (:data:`COMPRESSED_STRATEGIES`; PowerSGD rows need a model).
+        cluster: The hardware (:class:`Cluster`); or its fields as keywords: ``devices`` (required then),
+            ``num_nodes``, ``device_memory``, ``intra_node_bandwidth``, ``inter_node_bandwidth``,
+            ``host_bandwidth``, ``host_memory``, ``latency``, ``accelerator``.
+        workload: What is trained (:class:`Workload`; default ``Workload()``); or its fields as keywords:
+            ``batch_shape``, ``input_dtype``, ``optimizer``, ``precision``, ``activation_checkpointing``,
+            ``compression``.
+
+    Raises:
+        ValueError: a field is out of range (the message names it), or both forms were given for one dataclass.
+        TypeError: no hardware was given (neither ``cluster`` nor ``devices``).
     """
-    if precision not in _PRECISIONS:
-        raise ValueError(f"`plan(precision={precision!r})`: choose one of {', '.join(_PRECISIONS)}.")
-    if optimizer not in _OPTIMIZERS:
-        raise ValueError(f"`plan(optimizer={optimizer!r})`: choose one of {', '.join(_OPTIMIZERS)}.")
-    if devices < 1 or num_nodes < 1:
-        raise ValueError(f"`plan(devices={devices}, num_nodes={num_nodes})`: both must be >= 1.")
-    if accelerator not in ("cuda", "cpu"):
-        raise ValueError(f"`plan(accelerator={accelerator!r})`: choose 'cuda' or 'cpu'.")
-    memory = parse_bytes(device_memory, "device_memory")
-    intra = parse_bandwidth(intra_node_bandwidth, "intra_node_bandwidth")
-    inter = parse_bandwidth(inter_node_bandwidth, "inter_node_bandwidth")
-    host = parse_bandwidth(host_bandwidth, "host_bandwidth")
+    hardware = {"devices": devices, "num_nodes": num_nodes, "device_memory": device_memory,
+                "intra_node_bandwidth": intra_node_bandwidth, "inter_node_bandwidth": inter_node_bandwidth,
+                "host_bandwidth": host_bandwidth, "host_memory": host_memory, "latency": latency,
+                "accelerator": accelerator}  # fmt: skip
+    training = {"batch_shape": batch_shape, "input_dtype": input_dtype, "optimizer": optimizer,
+                "precision": precision, "activation_checkpointing": activation_checkpointing,
+                "compression": compression}  # fmt: skip
+    cluster = _resolve(Cluster, "cluster", cluster, {k: v for k, v in hardware.items() if v is not None})
+    workload = _resolve(Workload, "workload", workload, {k: v for k, v in training.items() if v is not None})
+    return _plan(model_or_num_params, cluster, workload)
+
+
+def _resolve(cls: type[_D], argument: str, given: _D | None, keywords: dict[str, Any]) -> _D:
+    """The :class:`Cluster` or :class:`Workload` of a :func:`plan` call, from its object or from its keywords."""
+    if given is not None:
+        if not isinstance(given, cls):
+            raise TypeError(f"`plan({argument}={given!r})`: expected a {cls.__name__}.")
+        if keywords:
+            raise ValueError(
+                f"`plan({argument}=..., {', '.join(f'{k}=...' for k in keywords)})`: give these as fields of the "
+                f"{cls.__name__} or as keywords, not both."
+            )
+        return given
+    if cls is Cluster and "devices" not in keywords:
+        raise TypeError("plan() needs the hardware: `cluster=Cluster(devices=..., ...)`, or `devices=...`.")
+    return _from_keywords(cls, keywords)
+
+
+def _plan(model_or_num_params: nn.Module | int, cluster: Cluster, workload: Workload) -> Plan:
+    devices, num_nodes, accelerator, latency = cluster.devices, cluster.num_nodes, cluster.accelerator, cluster.latency
+    host_memory = cluster.host_memory
+    batch_shape, input_dtype, optimizer = workload.batch_shape, workload.input_dtype, workload.optimizer
+    precision, activation_checkpointing = workload.precision, workload.activation_checkpointing
+    compression = workload.compression
+    memory = parse_bytes(cluster.device_memory, "device_memory")
+    intra = parse_bandwidth(cluster.intra_node_bandwidth, "intra_node_bandwidth")
+    inter = parse_bandwidth(cluster.inter_node_bandwidth, "inter_node_bandwidth")
+    host = parse_bandwidth(cluster.host_bandwidth, "host_bandwidth")
     host_limit = None if host_memory is None else parse_bytes(host_memory, "host_memory")
     n = devices * num_nodes
     beta = inter if num_nodes > 1 else intra
@@ -451,18 +666,16 @@ def plan(
         if batch_shape is not None:
             example = torch.zeros(tuple(batch_shape), dtype=input_dtype)
             try:
-                plain, checkpointed, working = measure_activations(model, example, checkpoint_blocks=blocks)
+                plain, checkpointed, working = measure_activations(model, example, checkpoint_blocks=blocks,
+                                                                   precision=precision)  # fmt: skip
                 activations = checkpointed if activation_checkpointing else plain
                 backward_extra = working - plain
-                if precision.startswith(("16", "bf16", "bigtrain-bf16")):
-                    activations /= 2  # measured in fp32; 16-bit compute halves the saved tensors
-                    backward_extra /= 2
             except Exception as err:  # any failure to trace falls back to counting
                 warnings.warn(
                     f"plan: could not run {type(model).__name__} on fake tensors ({type(err).__name__}: {err}); "
                     "activations are left out and only parameters are counted.",
                     BigtrainWarning,
-                    stacklevel=2,
+                    stacklevel=3,  # plan()'s caller
                 )
                 notes.append("activations not measured (the model could not run on fake tensors)")
         else:
@@ -576,7 +789,7 @@ def plan(
             f"{1e3 * rows[str(recommendation)].seconds_per_step:.1f} ms (compression time not counted)"
         )
     rows.update(compressed)
-    return Plan(rows, psi, n, memory, precision, activation_checkpointing, recommendation, notes)
+    return Plan(rows, psi, n, memory, precision, activation_checkpointing, recommendation, notes, cluster, workload)
 
 
 def _compressed_row(
@@ -593,7 +806,6 @@ def _compressed_row(
 ) -> PlanRow:
     """``base`` with its gradient exchange replaced by compressor ``cname`` (see the module docstring)."""
     from lightning_bigtrain.functional.compression import Cast, allreduce_bytes
-    from lightning_bigtrain.strategies._compression import COMPRESSION_NAMES
 
     compressor = COMPRESSION_NAMES[cname]()
     ring = (n - 1) / n
@@ -664,7 +876,7 @@ def _param_groups(model: nn.Module, trainable: list[nn.Parameter]) -> list[list[
 
 def _flat_chunks(groups: list[list[nn.Parameter]], world: int) -> list[int]:
     """Per-rank partition lengths of FlatShardedOptimizer's buckets, group by group."""
-    from lightning_bigtrain.functional.flat_shard import bucket_runs
+    from lightning_bigtrain.engines.flat_shard import bucket_runs
 
     chunks = []
     for params in groups:

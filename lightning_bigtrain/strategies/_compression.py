@@ -7,15 +7,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lightning_bigtrain.functional.compression import (
-    Cast,
-    Compressor,
-    GradientCompression,
-    OneBit,
-    PowerSGD,
-    Quantize,
-    TopK,
-)
+from lightning_bigtrain._logging import is_logging_step, log_interval
+from lightning_bigtrain.engines.compression import GradientCompression
+from lightning_bigtrain.functional.compression import COMPRESSION_NAMES, Cast, Compressor
 from lightning_bigtrain.warnings import BigtrainWarning, NoEffectWarning, warn_once
 
 if TYPE_CHECKING:
@@ -24,17 +18,6 @@ if TYPE_CHECKING:
 __all__ = ["CHECKPOINT_KEY", "COMPRESSION_NAMES", "CompressionSupport", "compression_applies", "resolve_compression"]
 
 CHECKPOINT_KEY = "bigtrain_compression"
-
-#: The strings ``compression=`` accepts, each with its default settings.
-COMPRESSION_NAMES: dict[str, Any] = {
-    "powersgd": lambda: PowerSGD(rank=4),
-    "topk": lambda: TopK(ratio=0.01),
-    "onebit": OneBit,
-    "int8": lambda: Quantize(bits=8),
-    "int4": lambda: Quantize(bits=4),
-    "fp16": lambda: Cast("fp16"),
-    "bf16": lambda: Cast("bf16"),
-}
 
 
 def resolve_compression(value: Compressor | str | None, owner: str) -> Compressor | None:
@@ -141,9 +124,9 @@ class CompressionSupport:
         if module is None or not strategy.is_global_zero:
             return
         trainer = module.trainer
-        every = int(getattr(trainer, "log_every_n_steps", 0) or 0)
-        if every <= 0 or (trainer.global_step + 1) % every:
+        if not is_logging_step(trainer):
             return
+        every = log_interval(trainer)
         sent = (engine.sent_bytes - self._logged[0]) / every
         dense = (engine.dense_bytes - self._logged[1]) / every
         self._logged = (engine.sent_bytes, engine.dense_bytes)

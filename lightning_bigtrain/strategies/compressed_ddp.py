@@ -11,7 +11,8 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lightning_bigtrain.functional.compression import Compressor, GradientCompression
+from lightning_bigtrain.engines.compression import GradientCompression
+from lightning_bigtrain.functional.compression import COMPRESSION_NAMES, Compressor
 from lightning_bigtrain.strategies._compression import (
     CHECKPOINT_KEY,
     CompressionSupport,
@@ -25,13 +26,7 @@ if TYPE_CHECKING:
 
 __all__ = ["CompressedDDPStrategy"]
 
-_REGISTERED = {
-    "bigtrain_ddp_powersgd": "powersgd",
-    "bigtrain_ddp_topk": "topk",
-    "bigtrain_ddp_onebit": "onebit",
-    "bigtrain_ddp_int8": "int8",
-    "bigtrain_ddp_fp16": "fp16",
-}
+_REGISTERED = {f"bigtrain_ddp_{name}": name for name in COMPRESSION_NAMES}
 _OWN_HOOK_ARGS = ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper", "model_averaging_period")
 
 
@@ -53,7 +48,7 @@ class CompressedDDPStrategy(FaultTolerantStrategyMixin, DDPStrategy):
     """Data parallelism with compressed gradient exchange, for any LightningModule.
 
     Registers a DDP communication hook that hands each gradient bucket to a
-    :class:`~lightning_bigtrain.functional.compression.GradientCompression` engine (error feedback,
+    :class:`~lightning_bigtrain.engines.compression.GradientCompression` engine (error feedback,
     PowerSGD factors, warm-up, byte counters). Unlike Lightning's ``DDPStrategy(ddp_comm_hook=...)``,
     which registers hooks on CUDA only and drops them silently elsewhere, the hook is registered on every
     device, gloo included. Replicas stay identical: every rank rebuilds the same average.

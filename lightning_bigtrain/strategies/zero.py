@@ -27,6 +27,7 @@ from lightning_bigtrain._compat import (
     _WorkerOutput,
     forward_redirection,
 )
+from lightning_bigtrain._logging import is_logging_step, log_interval
 from lightning_bigtrain.checkpointing import (
     AsyncCommits,
     atomic_folder_save,
@@ -35,8 +36,9 @@ from lightning_bigtrain.checkpointing import (
     new_id,
     staging_path,
 )
-from lightning_bigtrain.functional.compression import Cast, Compressor, GradientCompression
-from lightning_bigtrain.functional.flat_shard import FlatShardedOptimizer
+from lightning_bigtrain.engines.compression import GradientCompression
+from lightning_bigtrain.engines.flat_shard import FlatShardedOptimizer
+from lightning_bigtrain.functional.compression import Cast, Compressor
 from lightning_bigtrain.functional.memory import model_state_bytes
 from lightning_bigtrain.functional.sharding import (
     CommCounter,
@@ -71,7 +73,7 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
     * ``stage=1``: optimizer states sharded; parameters and gradients replicated. Gradient buckets are
       reduce-scattered into flat partitions during backward, each rank updates its partition with the
       user's optimizer, and all-gathers return the parameters
-      (:class:`~lightning_bigtrain.functional.flat_shard.FlatShardedOptimizer`; element-wise optimizers).
+      (:class:`~lightning_bigtrain.engines.flat_shard.FlatShardedOptimizer`; element-wise optimizers).
     * ``stage=2``: gradients sharded too: the same engine keeps only each rank's reduced gradient slice
       (``param.grad`` is None outside backward). With offloading, stage 2 runs on FSDP2 instead
       (``reshard_after_forward=False`` + ``CPUOffloadPolicy``).
@@ -580,9 +582,9 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         if module is None or sent is None or not self.is_global_zero:
             return
         trainer = module.trainer
-        steps = int(getattr(trainer, "log_every_n_steps", 0) or 0)  # set by Trainer(log_every_n_steps=...)
-        if steps <= 0 or (trainer.global_step + 1) % steps:
+        if not is_logging_step(trainer):
             return
+        steps = log_interval(trainer)
         for logger in trainer.loggers:
             logger.log_metrics({"zero/comm_bytes_per_step": (sent - self._logged_comm_bytes) / steps},
                                step=trainer.global_step)  # fmt: skip

@@ -288,3 +288,39 @@ def test_regional_compile_without_repeated_blocks_warns_and_compiles_the_whole_f
     assert fusion._compiled == [model] and model._compiled_call_impl is not None
     fusion._apply(model, "off")
     assert model._compiled_call_impl is None
+
+
+class _Recorder:
+    """A logger stand-in that keeps what it was given."""
+
+    def __init__(self) -> None:
+        self.metrics: dict = {}
+
+    def log_metrics(self, metrics, step=None):
+        self.metrics.update(metrics)
+
+
+def test_attention_swap_that_keeps_its_written_math_on_cpu_is_not_reported_as_sdpa(capsys):
+    """CPU training with attention dropout: SDPA has no fused kernel with dropout there, so the swapped forward
+    computes the weights as written. The callback says so (a NoEffectWarning, the printed line) and logs those
+    swaps as fallbacks, not as swaps; without dropout they count as swaps. No fit needed: the swap happens in
+    ``on_train_start``."""
+    from types import SimpleNamespace
+
+    from lightning_bigtrain import warnings as bt_warnings
+
+    bt_warnings._seen.clear()
+    recorder = _Recorder()
+    trainer = SimpleNamespace(loggers=[recorder], is_global_zero=True, global_step=0)
+    model = CharGPT(block_size=16, n_layer=2, n_head=2, n_embd=32, dropout=0.1, attention="written")
+    fusion = OperatorFusion("off", fused_optimizer=False)
+    with pytest.warns(NoEffectWarning, match=r"2 attention swap\(s\).*keep the written math in training"):
+        fusion._swap(trainer, model)  # type: ignore[arg-type]
+    assert recorder.metrics == {"fusion/swaps": 0, "fusion/swap_fallbacks": 2}
+    assert [s.path for s in fusion.fallbacks] == ["blocks.0.attn", "blocks.1.attn"]
+    assert "2 keep the written math in training" in capsys.readouterr().out
+    fusion.teardown(trainer, model, "fit")  # type: ignore[arg-type]
+    assert fusion.fallbacks == []
+    quiet = OperatorFusion("off", fused_optimizer=False)
+    quiet._swap(trainer, CharGPT(block_size=16, n_layer=2, n_head=2, n_embd=32, attention="written"))  # type: ignore[arg-type]
+    assert recorder.metrics == {"fusion/swaps": 2, "fusion/swap_fallbacks": 0} and quiet.fallbacks == []

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_bigtrain.functional.bf16 import COMPENSATION_KEY, CompensatedStep, stochastic_round_
+from lightning_bigtrain.engines.compensated import CompensatedStep
+from lightning_bigtrain.functional.bf16 import COMPENSATION_KEY, stochastic_round_
 
 
 @pytest.mark.parametrize("sign", [1.0, -1.0])

@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_bigtrain.engines.compression import GradientCompression
 from lightning_bigtrain.functional.compression import (
     Cast,
-    GradientCompression,
     OneBit,
     PowerSGD,
     Quantize,

@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_bigtrain.engines.logit_cache import LogitCache
 from lightning_bigtrain.functional.distillation import (
-    LogitCache,
     agreement,
     feature_loss,
     kd_loss,

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_bigtrain.functional.flat_shard import FlatShardedOptimizer
+from lightning_bigtrain.engines.flat_shard import FlatShardedOptimizer
 from tests.helpers.distributed import run_on_ranks
 
 pytestmark = pytest.mark.integration

@@ -212,3 +212,25 @@ def test_zero_initialized_weights_are_left_dense_by_default():
     with pytest.warns(BigtrainWarning, match=r"`2\.weight` all zeros at setup \(zero-initialized\): left dense"):
         assert MagnitudePruning(0.5)._choose(net) == ["0.weight"]
     assert MagnitudePruning(0.5, parameters=["*.weight"])._choose(net) == ["0.weight", "2.weight"]
+
+
+def test_structured_pruning_names_an_unknown_ignore_entry_at_setup():
+    """A typo in ``ignore`` used to be skipped silently (the layer was pruned anyway): setup now refuses it, naming
+    the argument, the bad name and the closest module names."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import SingleDeviceStrategy
+
+    from lightning_bigtrain.callbacks import StructuredPruning
+
+    trainer = SimpleNamespace(strategy=SingleDeviceStrategy(torch.device("cpu")))
+    cnn = FashionCNN(channels=(8, 16))
+    pruning = StructuredPruning(0.5, ignore=["features.4", "clasifier"])
+    with pytest.raises(ValueError, match=r"StructuredPruning\(ignore=\[.*\]\): FashionCNN has no module 'clasifier' "
+                                         r"\(did you mean 'classifier'\?\)"):  # fmt: skip
+        pruning.setup(trainer, cnn, "fit")  # type: ignore[arg-type]
+    pruning.teardown(trainer, cnn, "fit")  # type: ignore[arg-type]
+    accepted = StructuredPruning(0.5, ignore=["features.4", "classifier"])
+    accepted.setup(trainer, cnn, "fit")  # type: ignore[arg-type]
+    accepted.teardown(trainer, cnn, "fit")  # type: ignore[arg-type]
+    assert "on_load_checkpoint" not in vars(cnn)

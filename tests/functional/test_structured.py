@@ -222,3 +222,13 @@ def test_transformers_lose_heads_and_widths_and_compute_what_the_masked_model_co
     remove_channels_(model, groups, kept)
     assert 1 - sum(p.numel() for p in model.parameters()) / before > min_removed
     torch.testing.assert_close(run(model), run(masked), rtol=1e-4, atol=1e-5)
+
+
+def test_ignore_names_must_be_modules_of_the_model():
+    cnn = FashionCNN(channels=(8, 16)).eval()
+    x = torch.randn(2, 1, 28, 28)
+    with pytest.raises(ValueError, match=r"channel_groups\(ignore=.*\): FashionCNN has no module 'features\.04'.*"
+                                         r"did you mean .*'features\.0'"):  # fmt: skip
+        channel_groups(cnn, (x,), ignore=["features.04"])
+    groups = channel_groups(cnn, (x,), ignore=["features.0"])
+    assert any("features.0 is in `ignore`" in reason for g in groups for reason in g.blocked)

@@ -16,6 +16,7 @@ from lightning_bigtrain.functional.surgery import (
     recomputed_norm_activation,
     refresh_swaps,
     restore_modules,
+    sdpa_fallbacks,
     swap_modules,
 )
 from lightning_bigtrain.models import FashionCNN
@@ -148,6 +149,19 @@ def test_causal_buffer_becomes_is_causal_and_dropout_follows_the_module():
     assert not torch.equal(a, b)  # dropout active in training
     attention.attn_dropout.p = 0.0
     torch.testing.assert_close(attention(x), reference(x), atol=1e-5, rtol=1e-5)  # p=0: no dropout drawn
+
+
+def test_attention_with_dropout_on_cpu_is_reported_as_keeping_its_written_math():
+    """On CPU, SDPA has no fused kernel with dropout, so in training the swapped forward computes the weights as
+    written: such swaps are named by ``sdpa_fallbacks`` (and reported so by OperatorFusion), not passed off as
+    SDPA. Without dropout, or with p = 0, SDPA runs."""
+    attention = HandAttention(dropout=0.1)
+    swaps = swap_modules(attention)
+    assert sdpa_fallbacks(attention, swaps) == swaps
+    attention.attn_dropout.p = 0.0
+    assert sdpa_fallbacks(attention, swaps) == []
+    plain = HandAttention()
+    assert sdpa_fallbacks(plain, swap_modules(plain)) == []
 
 
 def test_swapped_modules_keep_their_methods_copy_and_restore():

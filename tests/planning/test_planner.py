@@ -7,7 +7,15 @@ import torch
 from torch import nn
 
 from lightning_bigtrain.models import CharGPT
-from lightning_bigtrain.planning import STRATEGIES, parse_bandwidth, parse_bytes, plan, zero_paper_bytes
+from lightning_bigtrain.planning import (
+    STRATEGIES,
+    Cluster,
+    Workload,
+    parse_bandwidth,
+    parse_bytes,
+    plan,
+    zero_paper_bytes,
+)
 from lightning_bigtrain.planning.planner import COMPRESSED_STRATEGIES
 from lightning_bigtrain.warnings import BigtrainWarning
 
@@ -79,6 +87,24 @@ def test_activations_are_measured_on_fake_tensors():
     assert not any(p.device.type == "meta" for p in model.parameters())  # the real model is untouched
 
 
+def test_activations_are_measured_in_the_precisions_dtypes():
+    """16-bit runs are measured, not halved from fp32: with 16-bit weights (``-true``) the saved tensors are half the
+    fp32 ones here, while under autocast (``-mixed``) a layer also keeps the 16-bit copy of its fp32 weight for
+    backward, which halving the fp32 measurement leaves out."""
+    model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256))
+    kw = dict(devices=1, batch_shape=(2, 256), input_dtype=torch.float32, compression=False)
+    fp32 = plan(model, precision="32-true", **kw)["ddp"].activation_bytes
+    assert fp32 == 2 * (2 * 256 * 4)  # the first layer's input and the ReLU's output (the second layer's input)
+    assert plan(model, precision="bf16-true", **kw)["ddp"].activation_bytes == fp32 / 2
+    # The second layer keeps its weight's 16-bit copy to give its input a gradient; the first layer's input
+    # needs none, so its copy is not kept.
+    weight_copy = 256 * 256 * 2
+    for precision in ("bf16-mixed", "16-mixed"):
+        mixed = plan(model, precision=precision, **kw)["ddp"].activation_bytes
+        assert mixed == fp32 / 2 + weight_copy, precision
+    assert model[0].weight.dtype == torch.float32  # the real model is untouched
+
+
 class _NotTraceable(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -142,3 +168,47 @@ def test_compressed_rows_follow_each_compressors_byte_formula():
     # On a 100 Mbit/s link compression pays: the plan says so, but recommends a dense (lossless) row.
     assert result.recommendation in STRATEGIES
     assert any("with gradient compression" in note for note in result.notes)
+
+
+def test_cluster_and_workload_give_the_plan_the_keywords_give():
+    model = CharGPT(block_size=32, n_layer=2, n_head=2, n_embd=32)
+    cluster = Cluster(devices=4, num_nodes=2, device_memory="24GB", inter_node_bandwidth="25Gbps")
+    workload = Workload(batch_shape=[4, 32], precision="bf16-mixed", optimizer="sgd")
+    assert workload.batch_shape == (4, 32)  # any sequence, kept as a tuple
+    by_objects = plan(model, cluster=cluster, workload=workload)
+    by_keywords = plan(model, devices=4, num_nodes=2, device_memory="24GB", inter_node_bandwidth="25Gbps",
+                       batch_shape=(4, 32), precision="bf16-mixed", optimizer="sgd")  # fmt: skip
+    assert by_objects.rows == by_keywords.rows and by_objects.recommendation == by_keywords.recommendation
+    assert by_keywords.cluster == cluster and by_keywords.workload == workload
+    assert by_objects.trainer_config() == by_objects.trainer_config(4, 2)  # defaults from the cluster
+    assert plan(10, cluster=Cluster(devices=1)).workload == Workload()  # each dataclass in either form
+    assert plan(10, cluster=Cluster(devices=1), precision="bf16-true").workload == Workload(precision="bf16-true")
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "match"),
+    [
+        (lambda: Cluster(devices=0), ValueError, r"`Cluster\(devices=0\)`: must be an int >= 1"),
+        (lambda: Cluster(devices=2, num_nodes=1.5), ValueError, r"`Cluster\(num_nodes=1.5\)`"),
+        (lambda: Cluster(devices=2, accelerator="tpu"), ValueError, r"`Cluster\(accelerator='tpu'\)`"),
+        (lambda: Cluster(devices=2, latency=-1.0), ValueError, r"`Cluster\(latency=-1.0\)`"),
+        (lambda: Cluster(devices=2, host_bandwidth="0GB/s"), ValueError, r"`Cluster\(host_bandwidth='0GB/s'\)`"),
+        (lambda: Cluster(devices=2, host_memory="much"), ValueError, r"`host_memory='much'`: not a size"),
+        (lambda: Workload(precision="fp8"), ValueError, r"`Workload\(precision='fp8'\)`: choose one of"),
+        (lambda: Workload(batch_shape=(4, 0)), ValueError, r"`Workload\(batch_shape=\(4, 0\)\)`"),
+        (lambda: Workload(input_dtype="long"), TypeError, r"`Workload\(input_dtype='long'\)`"),
+        (lambda: Workload(compression="yes"), TypeError, r"`Workload\(compression='yes'\)`"),
+        (lambda: plan(10, devices=2, num_nodes=0), ValueError, r"`plan\(num_nodes=0\)`: must be an int >= 1"),
+        (lambda: plan(10, devices=2, batch_shape=(2, -1)), ValueError, r"`plan\(batch_shape=\(2, -1\)\)`"),
+        (lambda: plan(10, cluster=Cluster(devices=2), devices=4), ValueError,
+         r"`plan\(cluster=\.\.\., devices=\.\.\.\)`: give these as fields of the Cluster or as keywords"),
+        (lambda: plan(10, devices=1, workload=Workload(), precision="bf16-true"), ValueError,
+         r"`plan\(workload=\.\.\., precision=\.\.\.\)`"),
+        (lambda: plan(10, cluster={"devices": 2}), TypeError,
+         r"`plan\(cluster=\{'devices': 2\}\)`: expected a Cluster"),
+        (lambda: plan(10), TypeError, r"plan\(\) needs the hardware"),
+    ],
+)  # fmt: skip
+def test_cluster_and_workload_errors_name_the_argument(make, error, match):
+    with pytest.raises(error, match=match):
+        make()

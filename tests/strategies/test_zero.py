@@ -22,6 +22,8 @@ NAMES = {
     "bigtrain_ddp_onebit",
     "bigtrain_ddp_int8",
     "bigtrain_ddp_fp16",
+    "bigtrain_ddp_int4",
+    "bigtrain_ddp_bf16",
     "bigtrain_deepspeed_zero1",
     "bigtrain_deepspeed_zero2",
     "bigtrain_deepspeed_zero3",

@@ -9,7 +9,8 @@ from lightning.pytorch.plugins.precision import HalfPrecision
 from torch import nn
 from typing_extensions import override
 
-from lightning_bigtrain.functional.bf16 import CompensatedStep, Compensation, check_optimizer
+from lightning_bigtrain.engines.compensated import CompensatedStep
+from lightning_bigtrain.functional.bf16 import Compensation, check_optimizer
 
 __all__ = ["BF16Precision"]
 
@@ -69,7 +70,7 @@ class BF16Precision(HalfPrecision):
 
     @override
     def connect(self, model: nn.Module, optimizers: list[Any], lr_schedulers: list[Any]) -> tuple[Any, ...]:
-        from lightning_bigtrain.functional.flat_shard import FlatShardedOptimizer
+        from lightning_bigtrain.engines.flat_shard import FlatShardedOptimizer
 
         for stepper in self.steppers:
             stepper.detach()
