@@ -9,7 +9,7 @@ export BIGTRAIN_DATA := $(abspath $(DATA))
 # Fashion-MNIST as Debian ships it (dataset-fashion-mnist).
 SYSTEM_FMNIST := /usr/share/datasets/fashion-mnist
 
-.PHONY: venv data test demo bench bench-quick lint clean
+.PHONY: venv data test demo bench bench-quick figures lint clean
 
 venv: $(VENV)/.installed
 
@@ -46,19 +46,30 @@ DEMO_ARGS ?=
 demo: venv data
 	$(VENV)/bin/bigtrain demo --output runs/demo $(DEMO_ARGS)
 
-# One script per area; each prints a table and writes benchmarks/results/<area>.json.
-BENCHES := ddp zero precision compression distillation pruning
+# One script per area; each prints a table and writes benchmarks/results/<area>.json (`make figures` then renders
+# the figure blocks of README.md and docs/*.md from them). chaos (about 45 min) and structured_peer (minutes) run
+# too; conformance does not: it is the models x techniques correctness matrix (over an hour; `make test` runs its
+# fast subset), re-run with `python -m benchmarks.conformance [--merge --families ... --cells ...]`.
+BENCHES := ddp zero precision compression distillation pruning fusion structured_peer chaos
+# structured_peer has no --quick (a full run is minutes).
+QUICK_BENCHES := $(filter-out structured_peer,$(BENCHES))
 
 bench: venv data
 	@set -e; for b in $(BENCHES); do $(PY) -m benchmarks.$$b; done
+	@$(MAKE) --no-print-directory figures
 
 bench-quick: venv data
-	@set -e; for b in $(BENCHES); do $(PY) -m benchmarks.$$b --quick --results-dir runs/bench-quick; done
+	@set -e; for b in $(QUICK_BENCHES); do $(PY) -m benchmarks.$$b --quick --results-dir runs/bench-quick; done
+
+# Rewrite every figure block in README.md and docs/*.md from benchmarks/results/*.json (`--check` only reports).
+figures: venv
+	$(PY) -m benchmarks.figures
 
 lint: venv
 	$(VENV)/bin/ruff check lightning_bigtrain tests benchmarks tools
 	$(VENV)/bin/ruff format --check lightning_bigtrain tests benchmarks tools
 	$(VENV)/bin/mypy
+	$(PY) -m tools.check_overrides
 
 clean:
 	rm -rf runs lightning_logs .pytest_cache .mypy_cache .ruff_cache

@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import RESULTS_DIR, print_table, replace_block, write_results
+from benchmarks.common import RESULTS_DIR, command_line, print_table, provenance, runs_line, times, write_results
 
 
 def _fault_name(fault: tuple[str, int, int]) -> str:
@@ -66,10 +66,11 @@ _BEGIN, _END = "<!-- chaos-figures:begin -->", "<!-- chaos-figures:end -->"
 
 
 def render(results: dict[str, Any]) -> str:
-    """The README's crash-consistency figures, from ``results/chaos.json`` (never typed by hand)."""
-    commands = results.get("commands") or {"all": results["command"]}
-    run = "; ".join(f"`{c}`" for c in dict.fromkeys(commands.values()))
-    lines = [_BEGIN, f"Measured {results['machine']['time'][:10]} ({run}; `benchmarks/results/chaos.json`).", ""]
+    """The crash-consistency figure block (``chaos-figures``, docs/fault_tolerance.md), markers included, from
+    ``results/chaos.json`` (never typed by hand): each part's run (date, commit, command; what the file does not
+    record is said to be not recorded), the matrix and the checkpoint overhead."""
+    parts = [p for p in ("matrix", "overhead") if p in results]
+    lines = [_BEGIN, runs_line(results, "chaos.json", parts), ""]
     if "matrix" in results:
         rows = results["matrix"]["rows"]
         lines += ["| settings row | faults (point@step/rank; timed: seconds after launch) | kills survived | "
@@ -86,17 +87,23 @@ def render(results: dict[str, Any]) -> str:
     if "overhead" in results:
         o = results["overhead"]
         lines.append(f"Checkpoint every {o['every']} steps, ZeRO-3 char-GPT {o['psi'] / 1e6:.1f}M parameters, "
-                     f"2 CPU ranks: step time **{o['sync_ratio']:.3f}x** with synchronous saves and "
-                     f"**{o['async_ratio']:.3f}x** with `async_checkpoint=True`, against no checkpoints.")  # fmt: skip
+                     f"2 CPU ranks: step time **{times(o['sync_ratio'])}** with synchronous saves and "
+                     f"**{times(o['async_ratio'])}** with `async_checkpoint=True`, "
+                     "against no checkpoints.")  # fmt: skip
     lines.append(_END)
     return "\n".join(lines)
 
 
 def render_readme(results_path: Path = RESULTS_DIR / "chaos.json", readme: Path = README) -> bool:
-    """Replace the README's figures block; True when it changed."""
-    import json
+    """Re-render the ``chaos-figures`` block from ``results_path`` wherever it stands in README.md and docs/*.md
+    (:func:`benchmarks.figures.write`; ``readme`` is kept for callers, the docs are found by the registry).
+    True when every doc that should hold the block has it."""
+    from benchmarks.figures import write
 
-    return replace_block(readme, _BEGIN, _END, render(json.loads(results_path.read_text())))
+    problems = write(keys=["chaos-figures"], results_dir=results_path.parent)
+    for problem in problems:
+        print(f"warning: {problem}")
+    return not problems
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -118,8 +125,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from tests.helpers.settings import SETTINGS
 
-    command = " ".join(["python -m benchmarks.chaos", *(argv or sys.argv[1:])])
-    payload: dict[str, Any] = {"commands": {part: command for part in args.parts}}
+    command = command_line("benchmarks.chaos", argv)
+    run = provenance(command)
+    payload: dict[str, Any] = {"commands": {part: command for part in args.parts},
+                               "runs": {part: run for part in args.parts}, "command": command}  # fmt: skip
     if "matrix" in args.parts:
         rows = args.rows or ([s.name for s in SETTINGS] if not args.quick else ["ddp_cnn", "zero3_gpt"])
         kills = 2 if args.quick else args.kills
@@ -150,13 +159,13 @@ def _write(args: argparse.Namespace, payload: dict[str, Any]) -> None:
 
         old = json.loads(previous.read_text())
         old_commands = old.get("commands") or {p: old["command"] for p in ("matrix", "overhead") if p in old}
+        old_runs = old.get("runs") or {}
         for part in ("matrix", "overhead"):
             if part not in payload and part in old:
                 payload[part] = old[part]
                 payload["commands"] = {**payload["commands"], part: old_commands[part]}
-    path = write_results(area, payload, _headline(payload), args.results_dir)
-    if area == "chaos" and args.results_dir == RESULTS_DIR:
-        render_readme(path)
+                payload["runs"] = {**payload["runs"], part: old_runs.get(part, {"command": old_commands[part]})}
+    write_results(area, payload, _headline(payload), args.results_dir)  # re-renders the docs' block
 
 
 def _headline(payload: dict[str, Any]) -> str:

@@ -8,8 +8,10 @@ ours / peer. Absolute times are printed for context but never asserted anywhere.
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -21,16 +23,29 @@ from pathlib import Path
 from typing import Any
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+ROOT = Path(__file__).resolve().parents[1]
 
 __all__ = [
     "RESULTS_DIR",
+    "ROOT",
     "alternate",
+    "command_line",
+    "count",
+    "load_results",
     "machine_info",
+    "measured_line",
+    "merge_runs",
+    "percent",
+    "points",
     "print_table",
+    "provenance",
     "ratio",
     "run_worker",
+    "runs_line",
     "set_flush_denormal",
+    "sig",
     "summarize",
+    "times",
     "write_results",
     "zero_benchmark_model",
 ]
@@ -144,11 +159,21 @@ def run_worker(module: str, args: Sequence[str], timeout: float = 1800) -> dict[
         return json.loads(out.read_text())
 
 
-def write_results(area: str, payload: dict[str, Any], headline: str, results_dir: Path = RESULTS_DIR) -> Path:
-    """Write ``results/<area>.json`` and set this area's row in ``results/README.md``."""
+def write_results(
+    area: str, payload: dict[str, Any], headline: str, results_dir: Path = RESULTS_DIR, *, command: str | None = None
+) -> Path:
+    """Write ``results/<area>.json`` and set this area's row in ``results/README.md``.
+
+    The file records the commit of the code that ran (``payload["commit"]`` if given, else :func:`git_commit`)
+    and the command (``payload["command"]`` if given, else ``command``). Written to the repository's results
+    folder, the figure blocks of README.md and docs/*.md that read this file are re-rendered
+    (:mod:`benchmarks.figures`); a doc problem is printed, never raised (the measurement is kept).
+    """
     results_dir.mkdir(parents=True, exist_ok=True)
     path = results_dir / f"{area}.json"
-    path.write_text(json.dumps({"area": area, "machine": machine_info(), **payload}, indent=2) + "\n")
+    recorded = {"commit": payload.get("commit") or git_commit() or None,
+                "command": payload.get("command") or command}  # fmt: skip
+    path.write_text(json.dumps({"area": area, "machine": machine_info(), **payload, **recorded}, indent=2) + "\n")
     readme = results_dir / "README.md"
     header = [
         "# Benchmark results",
@@ -165,6 +190,13 @@ def write_results(area: str, payload: dict[str, Any], headline: str, results_dir
                 rows[line.split("|")[1].strip()] = line
     rows[area] = f"| {area} | {headline} | {time.strftime('%Y-%m-%d')} | [{path.name}]({path.name}) |"
     readme.write_text("\n".join(header + [rows[k] for k in sorted(rows)]) + "\n")
+    if results_dir.resolve() == RESULTS_DIR.resolve():
+        try:
+            from benchmarks.figures import write as write_figures
+
+            write_figures(sources=[path.name])
+        except Exception as err:  # the figures are written; the docs can be rendered later (make figures)
+            print(f"note: the doc figures were not re-rendered ({type(err).__name__}: {err}); run `make figures`")
     return path
 
 
@@ -183,6 +215,135 @@ def git_commit() -> str:
 
     return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                           cwd=Path(__file__).parent).stdout.strip()  # fmt: skip
+
+
+def command_line(module: str, argv: Sequence[str] | None = None) -> str:
+    """The command as a user types it: ``python -m <module> <argv>`` (``argv`` None: this process's arguments)."""
+    return shlex.join(["python", "-m", module, *(sys.argv[1:] if argv is None else argv)])
+
+
+def provenance(command: str) -> dict[str, Any]:
+    """Where a run's figures come from: the commit of the code, the command and the time (UTC)."""
+    return {"commit": git_commit() or None, "command": command,
+            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}  # fmt: skip
+
+
+def merge_runs(previous: dict[str, Any] | None, parts: Sequence[str], run: dict[str, Any]) -> dict[str, Any]:
+    """``{part: provenance}`` of a results file whose parts can be re-run separately (``--parts``): the parts
+    run now get ``run``, the others keep the entry of the ``previous`` results file (``{}`` where it had none)."""
+    runs = {k: dict(v) for k, v in ((previous or {}).get("runs") or {}).items()}
+    for part in parts:
+        runs[part] = dict(run)
+    return runs
+
+
+# ---------------------------------------------------------------------------------------- figure rendering
+def load_results(results_dir: Path, name: str) -> dict[str, Any]:
+    """``results_dir/name`` parsed; a missing file is an error naming the benchmark that writes it."""
+    path = Path(results_dir) / name
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing: run `python -m benchmarks.{name.split('_lr')[0].split('.')[0]}`")
+    return json.loads(path.read_text())
+
+
+def sig(x: float, digits: int = 3) -> str:
+    """``x`` to ``digits`` significant digits (trailing zeros kept: 1.00, 0.500; integers above that precision
+    are rounded to units, not to powers of ten: 2995, not 3.00e+03)."""
+    if not math.isfinite(x):
+        return str(x)
+    if x == 0:
+        return "0"
+    if abs(x) >= 10 ** (digits - 1):
+        return f"{x:.0f}"
+    return f"{x:#.{digits}g}".rstrip(".")
+
+
+def count(n: float) -> str:
+    """A count such as a number of parameters: ``25.4M``, ``94.2k``, ``512``."""
+    if abs(n) >= 1e6:
+        return f"{sig(n / 1e6)}M"
+    return f"{sig(n / 1e3)}k" if abs(n) >= 1e3 else sig(n)
+
+
+def times(x: float, digits: int = 3) -> str:
+    """A ratio as ``1.23x``."""
+    return f"{sig(x, digits)}x"
+
+
+def points(x: float) -> str:
+    """A difference in percentage points, signed: ``+0.65 pts``, ``-8.73 pts``."""
+    return f"{x:+.2f} pts" if abs(x) < 10 else f"{x:+.1f} pts"
+
+
+def percent(fraction: float, digits: int = 2) -> str:
+    """A relative change, signed, to ``digits`` significant digits: 0.1385 -> ``+14%``, 0.00081 -> ``+0.081%``."""
+    return ("+" if fraction >= 0 else "-") + sig(abs(100 * fraction), digits) + "%"
+
+
+def _display_path(results_dir: Path, name: str) -> str:
+    path = (Path(results_dir) / name).resolve()
+    try:
+        return str(path.relative_to(ROOT))
+    except ValueError:
+        return str(path)
+
+
+def _machine_text(results: dict[str, Any]) -> str:
+    m = results.get("machine") or {}
+    text = f"{m.get('cpu_count', '?')} CPU cores ({m.get('cpu', 'CPU not recorded')}), torch {m.get('torch', '?')}"
+    return text + (f", GPU {m['cuda']}" if m.get("cuda") else ", no GPU")
+
+
+def measured_line(results: dict[str, Any], name: str, results_dir: Path = RESULTS_DIR) -> str:
+    """The first line of every figure block: when, at which commit, with which command, on what, from which file.
+    What the file does not record is said to be not recorded."""
+    when = (results.get("machine") or {}).get("time", "")[:10] or "date not recorded"
+    commit = f"at commit `{results['commit']}`" if results.get("commit") else "commit not recorded"
+    command = f"`{results['command']}`" if results.get("command") else "command not recorded"
+    quick = " A `--quick` smoke run: the figures mean nothing." if (results.get("config") or {}).get("quick") else ""
+    return (f"Measured {when}, {commit}, {command}; {_machine_text(results)} "
+            f"(`{_display_path(results_dir, name)}`).{quick}")  # fmt: skip
+
+
+def runs_line(results: dict[str, Any], name: str, parts: Sequence[str], results_dir: Path = RESULTS_DIR) -> str:
+    """:func:`measured_line` for a file whose parts can come from separate runs (``--parts``, merged): one entry
+    per run from the file's ``runs`` record (``{part: {"commit", "command", "time"}}``; older files: only
+    ``commands``), or, for a file without either, that its parts' runs are not recorded."""
+    when = (results.get("machine") or {}).get("time", "")[:10] or "date not recorded"
+    where = f"{_machine_text(results)} (`{_display_path(results_dir, name)}`)"
+    runs = results.get("runs") or {p: {"command": c} for p, c in (results.get("commands") or {}).items()}
+    if not runs:
+        return (f"File last written {when}; its parts ({', '.join(parts)}) can come from separate runs (`--parts`), "
+                f"whose dates, commits and commands the file does not record; {where}.")  # fmt: skip
+    by_run: dict[tuple[Any, Any, Any], list[str]] = {}
+    for part in parts:
+        r = runs.get(part)
+        if r is not None:
+            by_run.setdefault(((r.get("time") or "")[:10], r.get("commit"), r.get("command")), []).append(part)
+    entries = []
+    for (date, commit, command), names in by_run.items():
+        c = f"commit `{commit}`" if commit else "commit not recorded"
+        entries.append(f"{', '.join(names)}: {date or 'date not recorded'}, {c}, "
+                       + (f"`{command}`" if command else "command not recorded"))  # fmt: skip
+    missing = [p for p in parts if p not in runs]
+    if missing:
+        entries.append(f"{', '.join(missing)}: run not recorded")
+    return f"Measured in {len(by_run)} run(s) ({'; '.join(entries)}); file last written {when}; {where}."
+    by_run: dict[tuple[Any, Any, Any], list[str]] = {}
+    for part in parts:
+        r = runs.get(part)
+        if r is not None:
+            by_run.setdefault((r.get("time", "")[:10], r.get("commit"), r.get("command")), []).append(part)
+    entries = []
+    for (when, commit, command), names in by_run.items():
+        c = f"commit `{commit}`" if commit else "commit not recorded"
+        entries.append(f"{', '.join(names)}: {when or 'date not recorded'}, {c}, "
+                       + (f"`{command}`" if command else "command not recorded"))  # fmt: skip
+    missing = [p for p in parts if p not in runs]
+    if missing:
+        entries.append(f"{', '.join(missing)}: run not recorded")
+    return (f"Measured in {len(by_run)} run(s) ({'; '.join(entries)}); {_machine_text(results)} "
+            f"(`{_display_path(results_dir, name)}`).")  # fmt: skip
 
 
 def print_table(rows: list[dict[str, Any]], columns: Sequence[str]) -> str:

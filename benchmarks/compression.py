@@ -34,7 +34,7 @@ from typing import Any
 
 from lightning.pytorch.strategies import DDPStrategy
 
-from benchmarks.common import RESULTS_DIR, machine_info, print_table, ratio, run_worker, write_results
+from benchmarks.common import RESULTS_DIR, command_line, machine_info, print_table, ratio, run_worker, write_results
 
 NS = ("bt_bench_a", "bt_bench_b")
 IFACES = ("bt_veth_a", "bt_veth_b")
@@ -392,9 +392,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 headline_parts.append(
                     f"{rate}: {best} {per_rate['gpt']['methods'][best]['speedup_vs_torch_fp16']:.2f}x the fp16 hook"
                 )
-        payload = {"config": {"quick": quick, "links": links, "steps": steps, "repeats": repeats, "stage": stage},
+        payload = {"config": {"quick": quick, "links": links, "steps": steps, "repeats": repeats, "stage": stage,
+                              "method_labels": METHODS},
                    "machine": machine_info(), "figures": figures}  # fmt: skip
-        return write_results("compression", payload, "GPT step: " + "; ".join(headline_parts), args.results_dir)
+        return write_results("compression", payload, "GPT step: " + "; ".join(headline_parts), args.results_dir,
+                             command=command_line("benchmarks.compression", argv))  # fmt: skip
 
     write("link")
     if not args.skip_quality:
@@ -446,6 +448,151 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     path = write("complete")
     print(f"wrote {path}")
     return figures
+
+
+#: Column labels of the rendered tables (short forms of METHODS).
+SHORT = {"fp32": "fp32 DDP", "torch_fp16": "torch fp16 hook", "torch_powersgd": "torch powerSGD_hook",
+         "fp16": "Cast(fp16)", "powersgd": "PowerSGD(4)", "topk": "TopK(0.01)", "onebit": "OneBit",
+         "int8": "Quantize(8)", "int4": "Quantize(4)", "powersgd_noef": "PowerSGD(4), no EF",
+         "topk_noef": "TopK(0.01), no EF", "onebit_noef": "OneBit, no EF",
+         "powersgd_warm": "PowerSGD(4), dense warm-up", "topk_warm": "TopK(0.01), dense warm-up"}  # fmt: skip
+
+
+def _label(results: dict[str, Any], method: str) -> str:
+    return SHORT.get(method) or (results.get("config") or {}).get("method_labels", METHODS).get(method, method)
+
+
+def _rounds(results: dict[str, Any], methods: dict[str, Any]) -> str:
+    counts = {m: len(r.get("step_s_runs", [])) for m, r in methods.items() if "error" not in r}
+    groups: dict[int, list[str]] = {}
+    for m, n in counts.items():
+        groups.setdefault(n, []).append(_label(results, m))
+    return ", ".join(f"{n} ({', '.join(ms)})" for n, ms in sorted(groups.items(), reverse=True))
+
+
+def render_block(results_dir: Path = RESULTS_DIR) -> str:
+    """The ``compression`` figure block (docs/compression.md), from ``results/compression.json``: per link rate
+    and model, the step-time speed-up of every method over torch's fp16 hook (methods that failed say so), the
+    fp16 hook's step, communication fraction and Amdahl bound, the rounds each median is over; then the bytes
+    sent as ratios to the fp32 all-reduce: counted by the strategy, analytic, and off the interface's counter."""
+    from benchmarks.common import count, load_results, measured_line, sig, times
+
+    results = load_results(results_dir, "compression.json")
+    f = results["figures"]
+    lines = [measured_line(results, "compression.json", results_dir), ""]
+    links = f.get("links") or {}
+    if "skipped" in links or not links:
+        return "\n".join([*lines, f"No link figures in this file (skipped: {links.get('skipped', 'not run')})."])
+    lines += [
+        "Two network namespaces joined by a veth pair shaped with `tc tbf`, one rank in each, gloo over that link; "
+        "one CPU thread per rank. Step-time speed-up over torch's `fp16_compress_hook` (> 1: faster); the fp16 "
+        "hook's column gives its step, the fraction of it spent communicating (1 - compute-only step / step) and "
+        "its Amdahl bound (fp16-hook step / compute-only step).",
+        "",
+    ]
+    models = list(dict.fromkeys(m for per_rate in links.values() for m in per_rate))
+    for model in models:
+        methods = list(
+            dict.fromkeys(m for per_rate in links.values() for m in per_rate.get(model, {}).get("methods", {}))
+        )
+        others = [m for m in methods if m != "torch_fp16"]
+        first = next(per_rate[model] for per_rate in links.values() if model in per_rate)
+        params = next((r["params"] for r in first["methods"].values() if "params" in r), None)
+        size = f", {count(params)} parameters" if params else ""
+        lines += [
+            f"{model}{size}; alternating rounds per median: {_rounds(results, first['methods'])}; compute-only step "
+            f"{sig(f['compute_step_s'][model])} s:"
+            if model in f.get("compute_step_s", {})
+            else f"{model}{size}:",
+            "",
+            "| link | fp16 hook: step s (comm. fraction, Amdahl bound) | "
+            + " | ".join(_label(results, m) for m in others)
+            + " |",
+            "|---|---|" + "---|" * len(others),
+        ]
+        for rate, per_rate in links.items():
+            if model not in per_rate:
+                continue
+            g = per_rate[model]
+            ms = g["methods"]
+            fp16 = ms["torch_fp16"]
+            cells = [
+                "failed" if "error" in ms.get(m, {}) else times(ms[m]["speedup_vs_torch_fp16"]) if m in ms else "-"
+                for m in others
+            ]
+            lines.append(
+                f"| {rate} | {sig(fp16['step_s'])} s ({sig(g['torch_fp16_comm_fraction'], 2)}, "
+                f"{times(g['amdahl_bound_vs_torch_fp16'], 2)}) | " + " | ".join(cells) + " |"
+            )
+        lines.append("")
+    lines += [
+        "Bytes sent per step as a ratio to the fp32 all-reduce's (counted by the strategy / analytic / read off the "
+        f"sending interface's tx counter, {next(iter(links))} link):",
+        "",
+        "| model | " + " | ".join(_label(results, m) for m in METHODS if m != "fp32" and _has_bytes(links, m)) + " |",
+    ]
+    shown = [m for m in METHODS if m != "fp32" and _has_bytes(links, m)]
+    lines.append("|---|" + "---|" * len(shown))
+    first_rate = next(iter(links.values()))
+    for model in models:
+        ms = first_rate.get(model, {}).get("methods", {})
+        cells = []
+        for m in shown:
+            r = ms.get(m, {})
+            parts = [times(r[k]) if k in r else "-" for k in ("counted_ratio", "analytic_ratio", "wire_ratio_vs_fp32")]
+            cells.append("failed" if "error" in r else "-" if not r else " / ".join(parts))
+        lines.append(f"| {model} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _has_bytes(links: dict[str, Any], method: str) -> bool:
+    return any(method in g.get("methods", {}) for per_rate in links.values() for g in per_rate.values())
+
+
+def render_quality_block(results_dir: Path = RESULTS_DIR) -> str:
+    """The ``compression-quality`` figure block (docs/compression.md), from ``results/compression.json``: per
+    model, the quality after a fixed step budget of every method against dense fp32 (GPT: validation loss,
+    relative; CNN: test accuracy, in points), over the seeds the file records for that model (their number
+    and the spread of the values are rendered)."""
+    from benchmarks.common import load_results, measured_line, percent, points, sig
+
+    results = load_results(results_dir, "compression.json")
+    quality = results["figures"].get("quality") or {}
+    lines = [measured_line(results, "compression.json", results_dir), ""]
+    if not quality:
+        return "\n".join([*lines, "No quality figures in this file (the quality runs were skipped or not reached)."])
+    methods = list(dict.fromkeys(m for q in quality.values() for m in q["methods"] if m != "fp32"))
+    lines += [
+        "Over loopback (both ranks on one host), the same seeds for every method; the change against dense fp32 "
+        "DDP of the GPT's validation loss (relative) and of the CNN's test accuracy (points), after a fixed number "
+        "of steps.",
+        "",
+        "| model, metric: steps, seeds (fp32) | " + " | ".join(_label(results, m) for m in methods) + " | spread |",
+        "|---|" + "---|" * (len(methods) + 1),
+    ]
+    for model, q in quality.items():
+        ms = q["methods"]
+        n = len(q["seeds"])
+        seeds = "1 seed" if n == 1 else f"mean of {n} seeds"
+        gpt = "rel_val_loss_vs_fp32" in next(iter(ms.values()))
+        metric = "val loss" if gpt else "test acc"
+        cells = []
+        for m in methods:
+            if m not in ms:
+                cells.append("-")
+            elif gpt:
+                cells.append(percent(ms[m]["rel_val_loss_vs_fp32"]))
+            else:
+                cells.append(points(ms[m]["acc_points_vs_fp32"]).replace(" pts", ""))
+        spread = max(max(v["values"]) - min(v["values"]) for v in ms.values())
+        spread_text = "-" if n == 1 else (f"{sig(spread, 2)}" if gpt else f"up to {sig(100 * spread, 2)} pts")
+        unit = "" if gpt else ", points"
+        lines.append(
+            f"| {model}, {metric}{unit}: {q['steps']} steps, {seeds} ({sig(ms['fp32']['mean'])}) | "
+            + " | ".join(cells)
+            + f" | {spread_text} |"
+        )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -259,12 +259,12 @@ class Cell:
 
 def _zero(stage: int, engine: str = "torch") -> Callable[[Family], dict[str, Any]]:
     def kwargs(family: Family) -> dict[str, Any]:
-        from lightning_bigtrain.strategies import DeepSpeedOptions, ZeroStrategy
+        from lightning_bigtrain.strategies import DeepSpeedOptions, DeepSpeedZeroStrategy, ZeroStrategy
 
         if engine == "deepspeed":
             options = DeepSpeedOptions(reduce_bucket_size=20_000, allgather_bucket_size=20_000,
                                        param_persistence_threshold=0 if stage == 3 else None)  # fmt: skip
-            return {"strategy": ZeroStrategy(stage=stage, engine="deepspeed", deepspeed=options)}
+            return {"strategy": DeepSpeedZeroStrategy(stage=stage, deepspeed=options)}
         return {"strategy": ZeroStrategy(stage=stage, min_wrap_params=10_000)}
 
     return kwargs
@@ -638,11 +638,15 @@ def render(results: dict[str, Any]) -> str:
 
 
 def render_readme(results_path: Path, readme: Path = README) -> bool:
-    import json
+    """Re-render the ``conformance`` block from ``results_path`` wherever it stands in README.md and docs/*.md
+    (:func:`benchmarks.figures.write`; ``readme`` is kept for callers, the docs are found by the registry).
+    True when every doc that should hold the block has it."""
+    from benchmarks.figures import write
 
-    from benchmarks.common import replace_block
-
-    return replace_block(readme, _BEGIN, _END, render(json.loads(results_path.read_text())))
+    problems = write(keys=["conformance"], results_dir=results_path.parent)
+    for problem in problems:
+        print(f"warning: {problem}")
+    return not problems
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -670,7 +674,6 @@ def main(argv: list[str] | None = None) -> int:
         old = json.loads(previous.read_text())
         kept = [{"commit": old.get("commit"), "command": old.get("command"), **r} for r in old["rows"]]
     rows: list[dict[str, Any]] = []
-    path = previous
     for family in args.families:
         for cell in args.cells:
             with tempfile.TemporaryDirectory() as tmp:
@@ -681,11 +684,9 @@ def main(argv: list[str] | None = None) -> int:
             order = [(f, c) for f in FAMILIES for c in CELLS if (f, c) in done]
             table = [done[k] for k in order]
             ok = sum(r["status"] == "ok" for r in table)
-            path = write_results("conformance", {"commit": commit, "command": command, "rows": table},
-                                 f"{ok}/{len(table)} cells ok", args.results_dir)  # fmt: skip
-    print_table(rows, ["family", "cell", "status", "error"])
-    if args.results_dir == RESULTS_DIR:
-        render_readme(path)
+            write_results("conformance", {"commit": commit, "command": command, "rows": table},
+                          f"{ok}/{len(table)} cells ok", args.results_dir)  # fmt: skip
+    print_table(rows, ["family", "cell", "status", "error"])  # write_results re-rendered the docs' block
     return 0
 
 

@@ -16,7 +16,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import RESULTS_DIR, alternate, print_table, ratio, run_worker, summarize, write_results
+from benchmarks.common import (
+    RESULTS_DIR,
+    alternate,
+    command_line,
+    print_table,
+    ratio,
+    run_worker,
+    summarize,
+    write_results,
+)
 
 MODELS = ("cnn", "gpt")
 
@@ -111,9 +120,37 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     headline = ", ".join(f"{m}: DDP x2 / single = {figures[m]['ddp2_over_single']:.2f}" for m in args.models)
     payload = {"config": {"repeats": repeats, "quick": args.quick, "steps": steps}, "figures": figures,
                "table": table}  # fmt: skip
-    path = write_results("ddp", payload, headline, args.results_dir)
+    path = write_results("ddp", payload, headline, args.results_dir, command=command_line("benchmarks.ddp", argv))
     print(f"wrote {path}")
     return figures
+
+
+def render_block(results_dir: Path = RESULTS_DIR) -> str:
+    """The ``ddp`` figure block (docs/zero.md), from ``results/ddp.json`` only: per model, samples/s of one
+    process and of DDP on 2 ranks (medians, with the number of repeats), their ratio, the scaling efficiency
+    and peak RSS."""
+    from benchmarks.common import load_results, measured_line, sig, times
+
+    results = load_results(results_dir, "ddp.json")
+    lines = [
+        measured_line(results, "ddp.json", results_dir),
+        "",
+        "Weak scaling: each DDP rank trains on the one process's batch; samples/s over all ranks, medians.",
+        "",
+        "| model | steps | one process, samples/s | DDP, samples/s (ranks) | DDP / one process | scaling efficiency "
+        "| peak RSS MiB: one process / max per DDP rank | repeats |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for model, f in results["figures"].items():
+        single, ddp = f["single_samples_per_s"], f["ddp2_samples_per_s"]
+        ranks = len(f["ddp2_peak_rss_mib_per_rank"])
+        lines.append(
+            f"| {model} | {f['steps']} | {sig(single['median'])} | {sig(ddp['median'])} ({ranks}) "
+            f"| {times(f['ddp2_over_single'])} | {sig(f['scaling_efficiency'])} "
+            f"| {sig(f['single_peak_rss_mib'])} / {sig(max(f['ddp2_peak_rss_mib_per_rank']))} "
+            f"| {single['n']} / {ddp['n']} |"
+        )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

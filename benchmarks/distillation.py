@@ -25,7 +25,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import RESULTS_DIR, machine_info, print_table, ratio, run_worker, write_results
+from benchmarks.common import (
+    RESULTS_DIR,
+    command_line,
+    machine_info,
+    merge_runs,
+    print_table,
+    provenance,
+    ratio,
+    run_worker,
+    write_results,
+)
 
 TEACHER_CHANNELS = (32, 64, 128)
 STUDENT_CHANNELS = (8, 16, 32)
@@ -205,7 +215,7 @@ def gpt(run: Any, gpt_teacher: str, figures: dict[str, Any]) -> None:
     sweep = {a: run("gpt_student", teacher=gpt_teacher, kd=True, temperature=2.0, alpha=a) for a in GPT_ALPHAS}
     best = min(sweep, key=lambda a: sweep[a]["val_loss"])  # chosen on validation, reported on test
     distilled = sweep[best]
-    figures["gpt"] = {"teacher": gt, "alone": alone, "kd": distilled, "alpha": best,
+    figures["gpt"] = {"teacher": gt, "alone": alone, "kd": distilled, "alpha": best, "temperature": 2.0,
                       "sweep_val_loss": {str(a): r["val_loss"] for a, r in sweep.items()}}  # fmt: skip
     print(f"char-GPT: teacher ({gt['params']} params) test loss {gt['test_loss']:.4f}; student ({alone['params']}) "
           f"alone {alone['test_loss']:.4f}, distilled (T=2, alpha={best} of {GPT_ALPHAS} on validation) "
@@ -243,9 +253,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rounds = 1 if quick else 3
     figures: dict[str, Any] = {"steps": steps, "seeds": seeds}
     previous = args.results_dir / "distillation.json"
+    kept: dict[str, Any] | None = None
     if set(args.parts) != {"accuracy", "timing", "gpt"} and previous.exists():
-        figures.update(json.loads(previous.read_text())["figures"])
+        kept = json.loads(previous.read_text())
+        figures.update(kept["figures"])
         print(f"kept the figures of the parts not run from {previous}")
+    command = command_line("benchmarks.distillation", argv)
+    runs = merge_runs(kept, args.parts, provenance(command))
 
     def run(worker_name: str, **kw: Any) -> dict[str, Any]:
         argv_ = ["--worker", worker_name, "--steps", str(steps.get(worker_name, 0))]
@@ -268,14 +282,68 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if "gpt" in args.parts:
         gpt(run, str(work / "gpt_teacher.ckpt"), figures)
 
-    payload = {"config": {"quick": quick}, "machine": machine_info(), "figures": figures}
+    payload = {"config": {"quick": quick, "transfer_size": TRANSFER_SIZE, "timing_rounds": rounds},
+               "machine": machine_info(), "runs": runs, "figures": figures}  # fmt: skip
     headline = (
         f"transfer-set gain {figures['transfer']['mean_gain_points']:+.2f} pts, "
         f"full {figures['full']['mean_gain_points']:+.2f}; cached overhead {figures['overhead_cached']:.2f}x"
     )
-    path = write_results("distillation", payload, headline, args.results_dir)
+    path = write_results("distillation", payload, headline, args.results_dir, command=command)
     print(f"wrote {path}")
     return figures
+
+
+def render_block(results_dir: Path = RESULTS_DIR) -> str:
+    """The ``distillation`` figure block (docs/distillation.md), from ``results/distillation.json`` only: the
+    CNN teacher and student (parameters, steps, the temperature and alpha the sweep chose), the test-accuracy
+    gain of distillation over the student alone per regime (mean, min..max, over the seeds recorded), the step
+    time with the live teacher and with cached logits over the student alone, and the char-GPT student."""
+    from benchmarks.common import count, load_results, points, runs_line, sig, times
+
+    results = load_results(results_dir, "distillation.json")
+    f, cfg = results["figures"], results.get("config", {})
+    lines = [runs_line(results, "distillation.json", ["accuracy", "timing", "gpt"], results_dir), ""]
+    steps = f.get("steps", {})
+    if "transfer" in f:
+        teacher, student = f["cnn_teacher"], f["student_params"]
+        size = f" of {cfg['transfer_size']:,} images" if "transfer_size" in cfg else ""
+        lines += [
+            f"Fashion-MNIST: teacher CNN {count(teacher['params'])} parameters ({steps.get('cnn_teacher', '?')} "
+            f"steps, test accuracy {sig(teacher['test_acc'])}); student {count(student)} parameters "
+            f"(1/{teacher['params'] / student:.0f}), {steps.get('cnn_student', '?')} steps; temperature "
+            f"{f['chosen']['temperature']:g} and alpha {f['chosen']['alpha']:g} chosen by a "
+            f"{len(f['sweep_val_acc'])}-point sweep on the validation split.",
+            "",
+            "| training set | student alone, test acc | distilled, test acc | gain: mean (min..max) | seeds |",
+            "|---|---|---|---|---|",
+        ]
+        for regime, label in (("transfer", f"transfer set{size}"), ("full", "full training split")):
+            r = f[regime]
+            gain = r["gain_points"]
+            lines.append(
+                f"| {label} | {sig(sum(r['alone']) / len(r['alone']))} | {sig(sum(r['kd']) / len(r['kd']))} "
+                f"| {points(r['mean_gain_points'])} ({min(gain):+.2f}..{max(gain):+.2f}) | {len(gain)} |"
+            )
+        lines.append("")
+    if "overhead_live" in f:
+        rounds = len(f["step_s"]["plain"])
+        lines += [
+            f"Step time over the student alone (median of {rounds} alternating rounds): live teacher "
+            f"**{times(f['overhead_live'])}**, cached top-k teacher logits **{times(f['overhead_cached'])}**.",
+            "",
+        ]
+    if "gpt" in f:
+        g = f["gpt"]
+        sweep = ", ".join(f"{a}: {sig(v)}" for a, v in g["sweep_val_loss"].items())
+        temperature = f"T={g['temperature']:g}, " if "temperature" in g else ""
+        lines.append(
+            f"Char-GPT: student {count(g['alone']['params'])} parameters distilled from a "
+            f"{count(g['teacher']['params'])} teacher ({steps.get('gpt_student', '?')} steps, {temperature}"
+            f"alpha={g['alpha']:g} chosen on validation loss: "
+            f"{sweep}): test loss **{sig(g['kd']['test_loss'])}** vs {sig(g['alone']['test_loss'])} alone "
+            f"(teacher {sig(g['teacher']['test_loss'])})."
+        )
+    return "\n".join(lines).rstrip()
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import RESULTS_DIR, print_table, ratio, run_worker, summarize, write_results
+from benchmarks.common import RESULTS_DIR, command_line, print_table, ratio, run_worker, summarize, write_results
 
 PARTS = ("step", "optimizer", "loss", "swaps")
 
@@ -366,9 +366,84 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print("\nModule swaps, 1 CPU process x 2 threads; speed-up = before / after, memory = after / before")
         tables["swaps"] = print_table(rows, list(rows[0]))
         headline.append(f"attention swap x{rows[0]['speed-up']:.2f}, norm+act saved x{rows[2]['memory ratio']:.2f}")
-    payload = {"config": {"quick": args.quick, "parts": args.parts}, "figures": figures, "tables": tables}
-    print(f"wrote {write_results('fusion', payload, '; '.join(headline), args.results_dir)}")
+    config = {"quick": args.quick, "parts": args.parts, "steps": 12 if args.quick else 45, "timed_steps": 15}
+    if "loss" in args.parts:
+        config["loss_tokens"], config["loss_vocab"] = tokens, vocab
+    payload = {"config": config, "figures": figures, "tables": tables}
+    command = command_line("benchmarks.fusion", argv)
+    print(f"wrote {write_results('fusion', payload, '; '.join(headline), args.results_dir, command=command)}")
     return figures
+
+
+def render_block(results_dir: Path = RESULTS_DIR) -> str:
+    """The ``fusion`` figure block (docs/fusion.md), from ``results/fusion.json`` only: per model the training
+    step's speed-up over eager of OperatorFusion (and what ``compile="auto"`` chose), plain ``model.compile()``,
+    regional and full compile, and regional start-up over full; the fused optimizer step; the chunked LM-head
+    loss's peak memory and time; the module swaps."""
+    from benchmarks.common import load_results, measured_line, sig, times
+
+    results = load_results(results_dir, "fusion.json")
+    f, cfg = results["figures"], results.get("config", {})
+    lines = [measured_line(results, "fusion.json", results_dir), ""]
+    models = [m for m in ("gpt", "cnn", "pointwise") if m in f]
+    if models:
+        timed = f"median of the last {cfg['timed_steps']} of {cfg['steps']} steps" if "steps" in cfg else "median step"
+        lines += [
+            f"Training step, one CPU process, each variant with empty compile caches; speed-up = eager / variant "
+            f"({timed}; > 1: faster).",
+            "",
+            "| model | eager step, ms | `OperatorFusion()` (auto chose) | plain `model.compile()` | regional | full "
+            "| regional start-up / full |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        names = {"gpt": "char-GPT", "cnn": "CNN", "pointwise": "LayerNorm+GELU chain network"}
+        for m in models:
+            r = f[m]
+            eager = r["eager"]["median_step_s"]
+            lines.append(
+                f"| {names[m]} | {sig(1e3 * eager)} | **{times(eager / r['fusion']['median_step_s'])}** "
+                f"({r['fusion']['choice']}) | {times(eager / r['compile']['median_step_s'])} "
+                f"| {times(eager / r['fusion_regional']['median_step_s'])} "
+                f"| {times(eager / r['fusion_full']['median_step_s'])} "
+                f"| {times(r['fusion_regional']['startup_s'] / r['fusion_full']['startup_s'])} |"
+            )
+        lines.append("")
+    if "optimizer" in f:
+        o = f["optimizer"]
+        lines.append(
+            f"Fused AdamW step: **{times(o['for-loop'] / o['fused'])}** faster than torch's CPU default (for-loop): "
+            f"{sig(1e3 * o['fused'])} ms vs {sig(1e3 * o['for-loop'])} ms."
+        )
+    if "loss" in f:
+        plain, chunked = f["loss"]["plain"], f["loss"]["chunked"]
+        size = (f" (vocabulary {cfg['loss_vocab']:,}, {cfg['loss_tokens']:,} tokens)" if "loss_vocab" in cfg
+                else "")  # fmt: skip
+        peak = times(chunked["peak_bytes"] / plain["peak_bytes"])
+        lines += [
+            "",
+            f"Chunked LM-head cross-entropy{size}, forward + backward: **{peak}** the peak memory at "
+            f"{times(chunked['seconds'] / plain['seconds'])} the time of `F.cross_entropy(hidden @ W.T)`.",
+        ]
+    if "swaps" in f:
+        s = f["swaps"]
+        w, pw, other = s["gpt_written"], s["pointwise"], s["other"]
+        lines += [
+            "",
+            "| module swap | speed-up | memory after / before |",
+            "|---|---|---|",
+            f"| attention written by hand -> SDPA (char-GPT, training step) "
+            f"| {times(w['eager']['median_step_s'] / w['swap']['median_step_s'])} "
+            f"| {times(w['swap']['peak_rss_bytes'] / w['eager']['peak_rss_bytes'])} (process peak RSS) |",
+            f"| `OperatorFusion()` on that char-GPT (auto chose {w['fusion']['choice']}) "
+            f"| {times(w['eager']['median_step_s'] / w['fusion']['median_step_s'])} "
+            f"| {times(w['fusion']['peak_rss_bytes'] / w['eager']['peak_rss_bytes'])} (process peak RSS) |",
+            f"| norm+activation recomputed (chain network, training step) "
+            f"| {times(pw['eager']['median_step_s'] / pw['swap_norm']['median_step_s'])} "
+            f"| {times(other['norm_saved_swapped'] / other['norm_saved_plain'])} (bytes saved for backward) |",
+            f"| Conv+BN folded (CNN, evaluation; max abs diff {other['fold_max_abs_diff']:.1e}) "
+            f"| {times(other['fold_plain_s'] / other['fold_folded_s'])} | - |",
+        ]
+    return "\n".join(lines).rstrip()
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import RESULTS_DIR, print_table, ratio, run_worker, write_results
+from benchmarks.common import RESULTS_DIR, command_line, print_table, ratio, run_worker, write_results
 
 CONFIGS = ("fp32", "bf16-mixed", "bf16-true", "ours-none", "ours-kahan", "ours-stochastic")
 
@@ -135,8 +135,56 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     payload = {"config": {"steps": steps, "quick": args.quick, "psi": psi, "lr": args.lr}, "figures": figures,
                "table": table}  # fmt: skip
     area = "precision" if args.lr is None else f"precision_lr{args.lr:g}"
-    print(f"wrote {write_results(area, payload, headline, args.results_dir)}")
+    path = write_results(area, payload, headline, args.results_dir, command=command_line("benchmarks.precision", argv))
+    print(f"wrote {path}")
     return figures
+
+
+LABELS = {"fp32": "fp32 (`32-true`)", "bf16-mixed": "Lightning `bf16-mixed`", "bf16-true": "Lightning `bf16-true`",
+          "ours-none": "`BF16Precision(\"none\")`", "ours-kahan": "`BF16Precision(\"kahan\")`",
+          "ours-stochastic": "`BF16Precision(\"stochastic\")`"}  # fmt: skip
+
+
+def results_files(results_dir: Path = RESULTS_DIR) -> list[str]:
+    """The precision results files in ``results_dir``: the default learning rate's first, then ``--lr`` runs."""
+    lr = sorted(p.name for p in Path(results_dir).glob("precision_lr*.json"))
+    return (["precision.json"] if (Path(results_dir) / "precision.json").exists() else []) + lr
+
+
+def render_block(results_dir: Path = RESULTS_DIR) -> str:
+    """The ``precision`` figure block (docs/bf16.md), from ``results/precision.json`` and every
+    ``results/precision_lr*.json``: per file its run line and, per configuration, the final validation loss and
+    its ratio to fp32, model-state bytes per parameter and their ratio to fp32, step time over fp32 and over
+    ``bf16-mixed``, and peak RSS."""
+    from benchmarks.common import load_results, measured_line, percent, sig, times
+
+    names = results_files(results_dir)
+    if not names:
+        load_results(results_dir, "precision.json")  # raises, naming the benchmark to run
+    lines: list[str] = []
+    for name in names:
+        results = load_results(results_dir, name)
+        cfg = results.get("config", {})
+        lr = f"peak lr {cfg['lr']:g}" if cfg.get("lr") is not None else "the model's default peak lr (not recorded)"
+        lines += [
+            *([""] if lines else []),
+            measured_line(results, name, results_dir),
+            "",
+            f"Char-GPT of {sig(cfg['psi'] / 1e6)}M parameters, AdamW at {lr}, {cfg['steps']} steps, one CPU process "
+            "per configuration, one run each; validation loss of the trained weights evaluated in fp32.",
+            "",
+            "| configuration | val loss | val loss vs fp32 | model states, bytes/param | states / fp32 | step / fp32 "
+            "| step / `bf16-mixed` | peak RSS, MiB |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for config, f in results["figures"].items():
+            mixed = f.get("step_time_over_bf16_mixed")
+            lines.append(
+                f"| {LABELS.get(config, config)} | {sig(f['val_loss'])} | {percent(f['val_loss_over_fp32'] - 1)} "
+                f"| {sig(f['bytes_per_param'])} | {times(f['state_over_fp32'])} | {times(f['step_time_over_fp32'])} "
+                f"| {times(mixed) if mixed is not None else '-'} | {sig(f['peak_rss_mib'])} |"
+            )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import RESULTS_DIR, print_table, ratio, set_flush_denormal, write_results
+from benchmarks.common import (
+    RESULTS_DIR,
+    command_line,
+    merge_runs,
+    print_table,
+    provenance,
+    ratio,
+    set_flush_denormal,
+    write_results,
+)
 
 SPARSITIES = (0.5, 0.8, 0.9)
 PARTS = ("cnn", "resnet18", "structured_sweep")
@@ -202,9 +211,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     torch.set_num_threads(2)
     figures: dict[str, Any] = {}
     previous = args.results_dir / "pruning.json"
+    kept: dict[str, Any] | None = None
     if set(args.parts) != set(PARTS) and previous.exists():
-        figures.update(json.loads(previous.read_text())["figures"])
+        kept = json.loads(previous.read_text())
+        figures.update(kept["figures"])
         print(f"kept the figures of the parts not run from {previous}")
+    command = command_line("benchmarks.pruning", argv)
+    runs = merge_runs(kept, args.parts, provenance(command))
     figures["config"] = {"epochs": args.epochs, "batches_per_epoch": {"cnn": args.batches, "mlp": args.batches,
                          "resnet18": args.resnet_batches}, "batch_size": 128, "threads": 2, "seed": 0}  # fmt: skip
 
@@ -323,9 +336,97 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ]
     parts += [f"structured {r['model']} latency {r['latency ours/dense']:.2f}x" for r in structured_rows]
     tables = {"table": table, "structured_table": table2, "structured_sweep_table": table3}
-    write_results("pruning", {"figures": figures, **tables}, "; ".join(parts),
-                  args.results_dir)  # fmt: skip
+    write_results("pruning", {"runs": runs, "figures": figures, **tables}, "; ".join(parts),
+                  args.results_dir, command=command)  # fmt: skip
     return figures
+
+
+MODEL_NAMES = {"cnn": "CNN", "resnet18": "ResNet-18", "mlp": "MLP"}
+SWEEP_RUNS = (("cnn_structured_0.5", "`StructuredPruning(0.5)` (L2 importance, default ramp)"),
+              ("cnn_structured_0.5_taylor", "`importance=\"taylor\"`"),
+              ("cnn_structured_0.5_end0.5", "`schedule=PruningSchedule(end=0.5)` (longer recovery)"),
+              ("cnn_half_width_scratch", "half the channels, trained from scratch (capacity)"))  # fmt: skip
+
+
+def render_block(results_dir: Path = RESULTS_DIR) -> str:
+    """The ``pruning`` figure block (docs/pruning.md), from ``results/pruning.json`` only: each part's run (or
+    that the file does not record them), the unstructured table (test accuracy against dense of
+    MagnitudePruning and ModelPruning at each sparsity, the sparsity reached, the 2:4 run), the structured
+    figures (inference latency, FLOPs and parameters as ratios to dense, speed-up over the FLOPs ratio,
+    accuracy; ModelPruning's structured masks) and the structured CNN settings tried."""
+    from benchmarks.common import count, load_results, points, runs_line, sig, times
+
+    results = load_results(results_dir, "pruning.json")
+    f = results["figures"]
+    cfg = f.get("config", {})
+    batches = cfg.get("batches_per_epoch", {})
+    lines = [
+        runs_line(results, "pruning.json", PARTS, results_dir),
+        "",
+        f"Fashion-MNIST, {cfg.get('epochs', '?')} epochs of {batches.get('cnn', '?')} batches of "
+        f"{cfg.get('batch_size', '?')} (ResNet-18: {batches.get('resnet18', '?')} batches per epoch), one process, "
+        f"{cfg.get('threads', '?')} threads, seed {cfg.get('seed', '?')}, one run per row; test accuracy.",
+        "",
+        "| model (parameters, dense test acc) | sparsity | MagnitudePruning vs dense | ModelPruning vs dense "
+        "| sparsity reached (ours / ModelPruning) |",
+        "|---|---|---|---|---|",
+    ]
+    for model in ("cnn", "resnet18"):
+        dense = f.get(f"{model}_dense")
+        if dense is None:
+            continue
+        name = f"{MODEL_NAMES[model]} ({count(dense['params'])}, {sig(dense['test_acc'])})"
+        for s in sorted(k.removeprefix(f"{model}_magnitude_") for k in f if k.startswith(f"{model}_magnitude_")):
+            ours, peer = f[f"{model}_magnitude_{s}"], f.get(f"{model}_modelpruning_{s}")
+            if peer is None:
+                continue
+            lines.append(
+                f"| {name} | {float(s):.0%} | {points(100 * (ours['test_acc'] - dense['test_acc']))} "
+                f"| {points(100 * (peer['test_acc'] - dense['test_acc']))} "
+                f"| {sig(ours['sparsity'])} / {sig(peer['sparsity'])} |"
+            )
+        if model == "cnn" and "cnn_2of4" in f:
+            nm = f["cnn_2of4"]
+            lines.append(
+                f"| {name} | 2:4 from mid-run | {points(100 * (nm['test_acc'] - dense['test_acc']))} | - "
+                f"| {sig(nm['sparsity'])} / - |"
+            )
+    structured = [m for m in ("cnn", "mlp") if f"{m}_structured_summary" in f]
+    if structured:
+        lines += [
+            "",
+            "`StructuredPruning(0.5)` then fine-tuning; CPU inference latency (medians of alternating rounds), FLOPs "
+            "and parameters as ratios to dense:",
+            "",
+            "| model (dense parameters) | latency | FLOPs | parameters | speed-up / FLOPs reduction "
+            "| accuracy vs dense | ModelPruning structured masks: latency, accuracy |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for model in structured:
+            latency, flops = f[f"{model}_structured_summary"]["latency_s"], f[f"{model}_structured_summary"]["flops"]
+            dense, ours = f[f"{model}_dense"], f[f"{model}_structured_0.5"]
+            peer = "-"
+            if "ModelPruning" in latency:
+                peer_acc = f[f"{model}_modelpruning_structured_0.5"]["test_acc"]
+                peer = (f"{times(latency['ModelPruning'] / latency['dense'])}, "
+                        f"{points(100 * (peer_acc - dense['test_acc']))}")  # fmt: skip
+            lines.append(
+                f"| {MODEL_NAMES.get(model, model)} ({count(dense['params'])}) "
+                f"| **{times(latency['ours'] / latency['dense'])}** | {times(flops['ours'] / flops['dense'])} "
+                f"| {times(ours['params'] / dense['params'])} "
+                f"| {sig((latency['dense'] / latency['ours']) / (flops['dense'] / flops['ours']))} "
+                f"| {points(100 * (ours['test_acc'] - dense['test_acc']))} | {peer} |"
+            )
+    sweep = [(key, what) for key, what in SWEEP_RUNS if key in f]
+    if len(sweep) > 1 and "cnn_dense" in f:
+        dense = f["cnn_dense"]
+        lines += ["", "Structured CNN, settings tried:", "",
+                  "| run | parameters | accuracy vs dense |", "|---|---|---|"]  # fmt: skip
+        for key, what in sweep:
+            lines.append(
+                f"| {what} | {count(f[key]['params'])} | {points(100 * (f[key]['test_acc'] - dense['test_acc']))} |"
+            )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -190,6 +190,8 @@ _BEGIN, _END = "<!-- structured-peer:begin -->", "<!-- structured-peer:end -->"
 
 
 def render(results: dict[str, Any]) -> str:
+    """The ``structured-peer`` figure block (docs/pruning.md), markers included, from
+    ``results/structured_peer.json``."""
     measured = f"Measured {results['machine']['time'][:10]} at commit `{results['commit']}`"
     lines = [
         _BEGIN,
@@ -212,11 +214,12 @@ def render(results: dict[str, Any]) -> str:
 
 
 def render_readme(path: Path, readme: Path = README) -> None:
-    import json
+    """Re-render the ``structured-peer`` block from ``path`` wherever it stands in README.md and docs/*.md
+    (:func:`benchmarks.figures.write`; ``readme`` is kept for callers, the docs are found by the registry)."""
+    from benchmarks.figures import write
 
-    from benchmarks.common import replace_block
-
-    replace_block(readme, _BEGIN, _END, render(json.loads(path.read_text())))
+    for problem in write(keys=["structured-peer"], results_dir=path.parent):
+        print(f"warning: {problem}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -237,12 +240,9 @@ def main(argv: list[str] | None = None) -> int:
     print_table(rows, ["model", "params", "ours removed", "Torch-Pruning removed", "Torch-Pruning config"])
     command = " ".join(["python -m benchmarks.structured_peer", *(argv if argv is not None else sys.argv[1:])])
     ahead = sum(r["ours removed"] >= r["Torch-Pruning removed"] and r["ours runs"] for r in rows)
-    path = write_results("structured_peer", {"commit": commit, "command": command, "amount": args.amount,
-                                              "rows": rows}, f"ours >= Torch-Pruning on {ahead}/{len(rows)} models",
-                         args.results_dir)  # fmt: skip
-    if args.results_dir == RESULTS_DIR:
-        render_readme(path)
-    return 0
+    write_results("structured_peer", {"commit": commit, "command": command, "amount": args.amount, "rows": rows},
+                  f"ours >= Torch-Pruning on {ahead}/{len(rows)} models", args.results_dir)  # fmt: skip
+    return 0  # write_results re-rendered the docs' block
 
 
 if __name__ == "__main__":

@@ -12,8 +12,12 @@ formulas (Rajbhandari et al., 2020, Fig. 1): DDP 16 Psi; stage 1 (8 + 8/N) Psi; 
 stage 3 16 Psi / N. Bytes sent per step are the strategy's own count (``ZeroStrategy.comm_bytes``,
 ring-equivalent: an all-gather or reduce-scatter of B bytes sends (N-1)/N B), checked against a wrapper
 around torch.distributed's collective functions that counts every collective the rank issues (an
-all-reduce as 2 (N-1)/N B); DDP's all-reduce runs inside its C++ reducer, so its figure is the ring
-formula over its gradient bytes.
+all-reduce as 2 (N-1)/N B). DDP's all-reduce runs inside its C++ reducer, out of the wrapper's sight: the DDP
+run registers torch's own ``allreduce_hook`` (the reducer's all-reduce, issued from Python; DDP's results are
+unchanged) behind a counting hook, so its bytes are counted per bucket (and seen by the wrapper too). The
+results record which it was (``ddp_bytes_sent_source``: ``"comm hook"``; files written before it have the ring
+formula over the gradient bytes, ``"formula"``). The figures are rendered into docs/zero.md by
+:func:`render_block`.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from typing import Any
 from benchmarks.common import (
     RESULTS_DIR,
     alternate,
+    command_line,
     count_collectives,
     print_table,
     ratio,
@@ -45,7 +50,7 @@ def worker(config: str, steps: int, quick: bool, out: str) -> None:
 
     from benchmarks.common import zero_benchmark_model
     from lightning_bigtrain.callbacks import RunReport
-    from lightning_bigtrain.strategies import ZeroStrategy
+    from lightning_bigtrain.strategies import zero_strategy
 
     data, model, psi = zero_benchmark_model(quick)
     if config == "ddp":
@@ -54,7 +59,7 @@ def worker(config: str, steps: int, quick: bool, out: str) -> None:
         engine = "deepspeed" if config.startswith("ds_") else "torch"
         stage = int(config.removeprefix("ds_")[4])
         offload = config.endswith("offload")
-        strategy = ZeroStrategy(stage=stage, engine=engine, offload_optimizer=offload,
+        strategy = zero_strategy(stage, engine=engine, offload_optimizer=offload,
                                 offload_params=offload and stage == 3)  # fmt: skip
     report = RunReport(warmup_steps=2, verbose=False)
 
@@ -62,8 +67,21 @@ def worker(config: str, steps: int, quick: bool, out: str) -> None:
         """Bytes sent from the third step to the end: the strategy's own count and the wrapper's."""
 
         def _read(self, trainer) -> tuple[int, int]:
-            own = getattr(trainer.strategy, "comm_bytes", None)
+            own = ddp_sent["bytes"] if config == "ddp" else getattr(trainer.strategy, "comm_bytes", None)
             return (-1 if own is None else own), counter["bytes"]
+
+        def on_fit_start(self, trainer, pl_module):
+            if config == "ddp":  # the reducer's all-reduce, through a hook that counts each bucket it sends
+                from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+                world = trainer.world_size
+
+                def counting(state, bucket):
+                    buffer = bucket.buffer()
+                    ddp_sent["bytes"] += 2 * (world - 1) / world * buffer.numel() * buffer.element_size()
+                    return allreduce_hook(state, bucket)
+
+                trainer.strategy.model.register_comm_hook(None, counting)
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             if batch_idx == 2:
@@ -72,6 +90,7 @@ def worker(config: str, steps: int, quick: bool, out: str) -> None:
         def on_train_end(self, trainer, pl_module):
             self.end = self._read(trainer)
 
+    ddp_sent = {"bytes": 0.0}
     steps_cb = StepCounter()
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, limit_val_batches=0,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -83,11 +102,10 @@ def worker(config: str, steps: int, quick: bool, out: str) -> None:
     own, wrapped = ((end - start) / timed for start, end in zip(steps_cb.start, steps_cb.end, strict=True))
     if steps_cb.start[0] < 0:  # DeepSpeed's engine keeps no count of its own: the wrapper's
         own = wrapped
-    if config == "ddp":
-        own = wrapped = 2 * (2 - 1) / 2 * psi * 4  # DDP's reducer all-reduces every fp32 gradient once per step
     if trainer.is_global_zero:
         result = {**report.report, "psi": psi, "bytes_sent_per_step": own, "bytes_sent_wrapped": wrapped,
-                  "step_seconds": report.report["seconds"] / timed}  # fmt: skip
+                  "step_seconds": report.report["seconds"] / timed, "world_size": trainer.world_size,
+                  "bytes_sent_source": "comm hook" if config == "ddp" else "strategy"}  # fmt: skip
         Path(out).write_text(json.dumps(result))
 
 
@@ -182,13 +200,74 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         })  # fmt: skip
     engine_table = None
     if engines:
-        print("\nDeepSpeed's engine vs the torch engine (ZeroStrategy(engine='deepspeed') / engine='torch'), per rank")
+        print("\nDeepSpeed's engine vs the torch engine (DeepSpeedZeroStrategy / ZeroStrategy), per rank")
         engine_table = print_table(engines, list(engines[0]))
         headline += "; deepspeed/torch step " + ", ".join(f"z{e['stage']} x{e['step ds/torch']:.2f}" for e in engines)
-    payload = {"config": {"repeats": repeats, "steps": steps, "quick": args.quick, "psi": psi},
+    payload = {"config": {"repeats": repeats, "steps": steps, "quick": args.quick, "psi": psi,
+                          "world_size": ddp[0].get("world_size", 2)},
+               "ddp_bytes_sent_source": ddp[0].get("bytes_sent_source", "formula"),
                "figures": figures, "table": table, "engines": engines, "engine_table": engine_table}  # fmt: skip
-    print(f"wrote {write_results('zero', payload, headline, args.results_dir)}")
+    path = write_results("zero", payload, headline, args.results_dir, command=command_line("benchmarks.zero", argv))
+    print(f"wrote {path}")
     return figures
+
+
+NAMES = {"ddp": "DDP (Lightning)", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3",
+         "zero2_offload": "ZeRO-2 offload", "zero3_offload": "ZeRO-3 offload"}  # fmt: skip
+
+
+def render_block(results_dir: Path = RESULTS_DIR) -> str:
+    """The ``zero`` figure block (docs/zero.md), from ``results/zero.json`` only: per configuration (the torch
+    engine and DDP) model-state bytes per parameter against the ZeRO paper's formula, bytes sent per step and
+    their ratio to DDP (DDP's labelled with how it was obtained), step time and its ratio to DDP, peak RSS per
+    rank; then, where the file has them, DeepSpeed's engine over the torch engine at each stage."""
+    from benchmarks.common import load_results, measured_line, sig, times
+
+    results = load_results(results_dir, "zero.json")
+    f, cfg = results["figures"], results.get("config", {})
+    ranks = len(f["ddp"]["model_state_bytes_per_rank"])
+    # Files written before the label was recorded computed DDP's figure from the ring formula.
+    source = results.get("ddp_bytes_sent_source", "formula")
+    how = {"formula": "DDP: the ring formula 2(N-1)/N x 4 bytes x parameters, not counted",
+           "comm hook": "DDP: counted by a comm hook on its all-reduce"}.get(source, f"DDP: {source}")  # fmt: skip
+    lines = [
+        measured_line(results, "zero.json", results_dir),
+        "",
+        f"Char-GPT of {sig(cfg['psi'] / 1e6)}M parameters, fp32 AdamW, {ranks} CPU ranks over gloo, "
+        f"{cfg.get('steps', '?')} steps per run, {cfg.get('repeats', '?')} alternating repeats; ratios to DDP "
+        f"in the same run. Bytes sent: ring-equivalent bytes per rank per step ({how}).",
+        "",
+        "| configuration | model states, bytes/param (ZeRO formula) | bytes sent, MiB/step | sent / DDP "
+        "| step time, s: median (min-max) | step / DDP | peak RSS per rank, MiB |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for config, r in f.items():
+        if config.startswith("ds_"):
+            continue
+        step = r["step_seconds"]
+        sent = sig(r["bytes_sent_per_step"] / 2**20) + (f" ({source})" if config == "ddp" else "")
+        lines.append(
+            f"| {NAMES.get(config, config)} | {sig(r['bytes_per_param'])} "
+            f"({sig(r['bytes_per_param'] / r['state_over_theory'])}) | {sent} | {times(r['sent_over_ddp'])} "
+            f"| {sig(step['median'])} ({sig(step['min'])}-{sig(step['max'])}) | {times(r['step_time_over_ddp'])} "
+            f"| {sig(max(r['peak_rss_mib_per_rank']))} |"
+        )
+    if results.get("engines"):
+        lines += [
+            "",
+            "DeepSpeed's engine over the torch engine, same model and run (DeepSpeed keeps no byte count: its bytes "
+            "sent are the collective wrapper's):",
+            "",
+            "| stage | step time | model-state bytes | peak RSS | bytes sent | DeepSpeed bytes/param (torch) |",
+            "|---|---|---|---|---|---|",
+        ]
+        for e in results["engines"]:
+            lines.append(
+                f"| {e['stage']} | {times(e['step ds/torch'])} | {times(e['state ds/torch'])} "
+                f"| {times(e['peak RSS ds/torch'])} | {times(e['sent ds/torch'])} "
+                f"| {sig(e['ds B/param'])} ({sig(e['torch B/param'])}) |"
+            )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """The conformance matrix's fast subset: models this project did not write x techniques, on 2 gloo ranks.
 
 Each cell runs through ``benchmarks.conformance.run`` exactly as the full matrix does (``python -m
-benchmarks.conformance``, whose table the README renders): the loss is finite and falls, the replicated tensors are
+benchmarks.conformance``, whose table docs/conformance.md renders; tests/benchmarks/test_figures.py checks it):
+the loss is finite and falls, the replicated tensors are
 bit-identical on both ranks before any gather, and the technique measurably acted. The subset picks the cells where
 defects were found (distillation of a Hugging Face module and of a two-input forward, ZeRO-3 with a step calling a
 submodule) and one cell of most remaining families (structured pruning of them: tests/functional/test_structured.py)."""
@@ -9,12 +10,10 @@ submodule) and one cell of most remaining families (structured pruning of them: 
 from __future__ import annotations
 
 import importlib.util
-import json
 
 import pytest
 
-from benchmarks.common import RESULTS_DIR
-from benchmarks.conformance import _BEGIN, _END, FAMILIES, README, render, run
+from benchmarks.conformance import FAMILIES, run
 
 pytestmark = pytest.mark.integration
 
@@ -45,11 +44,3 @@ def test_a_replica_that_diverged_fails_its_cell(tmp_path):
     """The replica check compares each rank's own tensors: one weight nudged on rank 1 fails the cell."""
     row = run("tv_vit", "ddp", str(tmp_path), diverge=True)
     assert row["status"] == "FAILED" and "replicated tensors differ" in row["error"]
-
-
-def test_readme_matrix_is_rendered_from_the_results_file():
-    path = RESULTS_DIR / "conformance.json"
-    if not path.exists():
-        pytest.fail("benchmarks/results/conformance.json is missing: run `python -m benchmarks.conformance`")
-    text = README.read_text()
-    assert text[text.index(_BEGIN) : text.index(_END) + len(_END)] == render(json.loads(path.read_text()))

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from typing_extensions import override
 
+from lightning_bigtrain._compat import rewrap_ddp
 from lightning_bigtrain.callbacks._pruning_schedule import PruningSchedule
 from lightning_bigtrain.functional.pruning import cubic_sparsity
 from lightning_bigtrain.warnings import BigtrainWarning, NoEffectWarning, warn_once
@@ -297,8 +298,7 @@ class StructuredPruning(L.Callback):
         strategy = trainer.strategy
         if isinstance(strategy, DDPStrategy):
             assert strategy.lightning_module is not None
-            strategy.model = strategy._setup_model(strategy.lightning_module)
-            strategy._register_ddp_hooks()
+            rewrap_ddp(strategy)
 
     @override
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:

@@ -805,7 +805,7 @@ def _compressed_row(
     buckets: int,
 ) -> PlanRow:
     """``base`` with its gradient exchange replaced by compressor ``cname`` (see the module docstring)."""
-    from lightning_bigtrain.functional.compression import Cast, allreduce_bytes
+    from lightning_bigtrain.functional.compression import Cast, PowerSGD, allreduce_bytes
 
     compressor = COMPRESSION_NAMES[cname]()
     ring = (n - 1) / n
@@ -824,10 +824,14 @@ def _compressed_row(
     if shapes is None:  # a bare count: one matrix-free stand-in, compressed as a whole
         shapes = [torch.Size((psi_train,))]
     grad_sent = 0.0
+    state = 0.0  # per-rank compression state: error feedback and PowerSGD's warm-start factors Q (m x rank)
     for shape in shapes:
         numel = math.prod(shape)
         if compressor.compressible(shape):
             grad_sent += compressor.sent_bytes(shape, g_bytes, n)
+            state += numel * g_bytes if compressor.error_feedback else 0.0
+            if isinstance(compressor, PowerSGD):
+                state += math.prod(shape[1:]) * compressor.rank * g_bytes
         else:
             grad_sent += allreduce_bytes(numel * g_bytes, n)
     # Latency: per bucket, an all-reduce (2(N-1) steps) or an all-gather (N-1); PowerSGD two all-reduces.
@@ -838,8 +842,7 @@ def _compressed_row(
     else:  # ZeRO-1: the parameter all-gather after the step stays dense (half of the base row's traffic)
         sent = grad_sent + base.comm_bytes_per_step / 2
         seconds += base.comm_seconds_per_step / 2
-    error = psi_train * g_bytes if compressor.error_feedback else 0.0
-    return PlanRow(name, base.params_bytes, base.grads_bytes + error, base.optimizer_bytes, base.activation_bytes,
+    return PlanRow(name, base.params_bytes, base.grads_bytes + state, base.optimizer_bytes, base.activation_bytes,
                    base.transient_bytes, base.host_bytes, sent, seconds, base.offload_seconds_per_step,
                    fits=False)  # fmt: skip
 

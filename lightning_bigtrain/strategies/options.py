@@ -141,11 +141,10 @@ def resolve_engine(engine: str, *, stage: int = 3, **kwargs: Any) -> str:
     """The engine ``zero_strategy(engine=...)`` runs on: ``"torch"`` or ``"deepspeed"``.
 
     ``"auto"``: DeepSpeed when ``deepspeed=DeepSpeedOptions(...)`` is passed (only its engine reads them),
-    else the torch engine. The rule follows ``benchmarks/zero.py`` (25M-parameter GPT, fp32 AdamW, 2 CPU
-    ranks): the torch engine was faster at every stage (DeepSpeed 1.33x / 1.24x / 1.56x its step time at
-    stages 1 / 2 / 3) and held less per rank (DeepSpeed 1.01x / 1.21x / 1.25x the model-state bytes: it keeps
-    fp32 master partitions beside fp32 weights). No GPU was measured; choose ``engine="deepspeed"`` explicitly
-    for what only it has (ZeRO++, NVMe offload through ``config``, its fused CPU Adam when offloading).
+    else the torch engine. The rule follows ``benchmarks/zero.py`` on CPU, where the torch engine was faster at
+    every stage and held less per rank (DeepSpeed keeps fp32 master partitions beside fp32 weights); the figures
+    are in ``docs/zero.md``. No GPU was measured; choose ``engine="deepspeed"`` explicitly for what only it has
+    (ZeRO++, NVMe offload through ``config``, its fused CPU Adam when offloading).
     """
     if engine not in get_args(Engine):
         raise ValueError(f"`zero_strategy(engine={engine!r})`: choose one of {', '.join(get_args(Engine))}.")

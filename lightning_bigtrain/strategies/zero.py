@@ -353,7 +353,6 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         """Stage the shards in host memory and write them in the background; committed by ``_async_commits``."""
         import fsspec
         import torch.distributed.checkpoint as dcp
-        from lightning.fabric.utilities.load import _METADATA_FILENAME
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
         location = str(self.broadcast(str(filepath)))
@@ -423,7 +422,6 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
             return super().load_checkpoint(location, weights_only=weights_only)
         import fsspec
         import torch.distributed.checkpoint as dcp
-        from lightning.fabric.utilities.load import _METADATA_FILENAME
         from torch.distributed.checkpoint.state_dict import (
             get_model_state_dict,
             get_optimizer_state_dict,

@@ -70,7 +70,9 @@ def _measure(rank: int, name: str) -> dict:
         data = ShakespeareDataModule(block_size=_BATCH[1], batch_size=_BATCH[0], subset=256)
         trainer.fit(model, datamodule=data)
     engine = getattr(trainer.strategy, "compression_engine", None)
-    error_bytes = sum(t.numel() * t.element_size() for t in engine.errors.values()) if engine else 0
+    # Compression state is model state too: error-feedback buffers and PowerSGD's warm-start factors.
+    state = [*engine.errors.values(), *engine.factors.values()] if engine else []
+    error_bytes = sum(t.numel() * t.element_size() for t in state)
     at, peak = timeline.live_bytes() if "_" not in name else ({}, {})
     return {
         "states": report.report["model_state_bytes_per_rank"][rank] + error_bytes,
@@ -84,15 +86,15 @@ def _measure(rank: int, name: str) -> dict:
 def test_predictions_match_what_the_strategies_hold_and_send(name):
     predicted = plan(_model(), devices=2, accelerator="cpu", batch_shape=_BATCH)[name]
     for measured in run_on_ranks(_measure, name, init_process_group=False):
-        # Model states within 10% (the bound); they agree exactly here, padding included.
-        assert measured["states"] == pytest.approx(predicted.model_states_bytes, rel=0.10)
+        # Model states exactly, padding included (what the README claims).
+        assert measured["states"] == predicted.model_states_bytes
         if "_" not in name:
             # Peak tensor memory within 10%: the allocator's events on the training thread. Compressed rows are
             # left out: their exchange thread allocates the messages, which the profiler does not see.
-            # The profiler sees frees only on the thread that allocated: an asynchronous collective's input
-            # released last on gloo's thread stays "live" in the record (seen once at ZeRO-2, +1.6 MB here). So
-            # the upper bound allows one bucket of gradients (the whole model here) on top of the 10%.
-            bucket = sum(p.numel() * 4 for p in _model().parameters())
-            assert 0.90 * predicted.peak_bytes <= measured["peak"] <= 1.10 * predicted.peak_bytes + bucket
+            # The profiler sees frees only on the thread that allocated: at ZeRO-2 the input of the asynchronous
+            # reduce-scatter, released last on gloo's thread, can stay "live" in the record; one flat bucket is
+            # allowed there (one bucket is the whole of this small model); the other rows get no slack.
+            stray = sum(p.numel() * 4 for p in _model().parameters()) if name == "zero2" else 0
+            assert 0.90 * predicted.peak_bytes <= measured["peak"] <= 1.10 * predicted.peak_bytes + stray
         if measured["comm"] is not None:
             assert measured["comm"] == pytest.approx(predicted.comm_bytes_per_step, rel=1e-9)
