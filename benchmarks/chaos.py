@@ -98,12 +98,9 @@ def render_readme(results_path: Path = RESULTS_DIR / "chaos.json", readme: Path 
     """Re-render the ``chaos-figures`` block from ``results_path`` wherever it stands in README.md and docs/*.md
     (:func:`benchmarks.figures.write`; ``readme`` is kept for callers, the docs are found by the registry).
     True when every doc that should hold the block has it."""
-    from benchmarks.figures import write
+    from benchmarks.figures import rewrite_block
 
-    problems = write(keys=["chaos-figures"], results_dir=results_path.parent)
-    for problem in problems:
-        print(f"warning: {problem}")
-    return not problems
+    return rewrite_block("chaos-figures", results_path.parent)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -329,21 +329,6 @@ def runs_line(results: dict[str, Any], name: str, parts: Sequence[str], results_
     if missing:
         entries.append(f"{', '.join(missing)}: run not recorded")
     return f"Measured in {len(by_run)} run(s) ({'; '.join(entries)}); file last written {when}; {where}."
-    by_run: dict[tuple[Any, Any, Any], list[str]] = {}
-    for part in parts:
-        r = runs.get(part)
-        if r is not None:
-            by_run.setdefault((r.get("time", "")[:10], r.get("commit"), r.get("command")), []).append(part)
-    entries = []
-    for (when, commit, command), names in by_run.items():
-        c = f"commit `{commit}`" if commit else "commit not recorded"
-        entries.append(f"{', '.join(names)}: {when or 'date not recorded'}, {c}, "
-                       + (f"`{command}`" if command else "command not recorded"))  # fmt: skip
-    missing = [p for p in parts if p not in runs]
-    if missing:
-        entries.append(f"{', '.join(missing)}: run not recorded")
-    return (f"Measured in {len(by_run)} run(s) ({'; '.join(entries)}); {_machine_text(results)} "
-            f"(`{_display_path(results_dir, name)}`).")  # fmt: skip
 
 
 def print_table(rows: list[dict[str, Any]], columns: Sequence[str]) -> str:

@@ -38,6 +38,8 @@ import torch.nn.functional as F
 from lightning.pytorch.demos import LightningTransformer
 from torch import nn
 
+from lightning_bigtrain.functional.sharding import is_replica, local_view
+
 STEPS = 8
 VOCAB = 96  # the Shakespeare datamodule's fixed character vocabulary
 BLOCK = 32
@@ -376,27 +378,14 @@ class _Losses(L.Callback):
         self.losses.append(float(loss))
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    to_local = getattr(t, "to_local", None)
-    return to_local() if callable(to_local) else t
-
-
-def _is_replica(t: torch.Tensor) -> bool:
-    """Whether every rank holds the whole tensor: not a DTensor shard, not a DeepSpeed-partitioned parameter."""
-    if hasattr(t, "ds_tensor"):
-        return False
-    placements = getattr(t, "placements", None)
-    return placements is None or all(p.is_replicate() for p in placements)
-
-
 def _replica_digest(model: nn.Module) -> tuple[str, int]:
     """A digest of each replicated parameter as this rank holds it (no gather), and how many were hashed."""
     h = hashlib.sha256()
     n = 0
     for name, p in model.named_parameters():
-        if _is_replica(p):
+        if is_replica(p):
             h.update(name.encode())
-            h.update(_local(p).detach().float().cpu().numpy().tobytes())
+            h.update(local_view(p).detach().float().cpu().numpy().tobytes())
             n += 1
     return h.hexdigest(), n
 
@@ -425,9 +414,9 @@ class _Diverge(L.Callback):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.global_rank == 1:
-            p = next(p for p in pl_module.parameters() if _is_replica(p))
+            p = next(p for p in pl_module.parameters() if is_replica(p))
             with torch.no_grad():
-                _local(p).view(-1)[0] += 1e-3
+                local_view(p).view(-1)[0] += 1e-3
 
 
 def run_cell(rank: int, family_name: str, cell_name: str, workdir: str, diverge: bool = False) -> dict[str, Any]:
@@ -466,7 +455,7 @@ def run_cell(rank: int, family_name: str, cell_name: str, workdir: str, diverge:
     module = trainer.lightning_module
     digest, compared = _replica_digest(module)
     state = losses.state or _state_bytes(trainer, module)
-    params_now = sum(_local(p).numel() for p in module.parameters() if _is_replica(p))
+    params_now = sum(local_view(p).numel() for p in module.parameters() if is_replica(p))
     out.update(
         losses=losses.losses,
         numel=numel,
@@ -512,7 +501,7 @@ def _sparsity(trainer: L.Trainer, module: nn.Module) -> tuple[float, bool]:
     zeros = total = 0
     nm_ok = bool(callback.names)
     for name in callback.names:
-        w = _local(named[name]).detach()
+        w = local_view(named[name]).detach()
         w = w.t() if name in callback._transposed else w
         zeros, total = zeros + int((w == 0).sum()), total + w.numel()
         if w.shape[-1] % 4 == 0:
@@ -540,7 +529,7 @@ def _evidence(cell: str, trainer: L.Trainer, module: nn.Module, numel: int, stat
         ev["sent_over_dense"] = engine.sent_bytes / max(1, engine.dense_bytes)
         ev["acted"] = ev["sent_over_dense"] < 1.0
     if cell in ("bf16", "all"):
-        dtypes = {str(_local(p).dtype) for p in module.parameters()}
+        dtypes = {str(local_view(p).dtype) for p in module.parameters()}
         ev["param_dtypes"] = sorted(dtypes)
         ev["acted"] = ev.get("acted", True) and dtypes == {"torch.bfloat16"}
     if cell in ("fusion", "all"):
@@ -641,12 +630,9 @@ def render_readme(results_path: Path, readme: Path = README) -> bool:
     """Re-render the ``conformance`` block from ``results_path`` wherever it stands in README.md and docs/*.md
     (:func:`benchmarks.figures.write`; ``readme`` is kept for callers, the docs are found by the registry).
     True when every doc that should hold the block has it."""
-    from benchmarks.figures import write
+    from benchmarks.figures import rewrite_block
 
-    problems = write(keys=["conformance"], results_dir=results_path.parent)
-    for problem in problems:
-        print(f"warning: {problem}")
-    return not problems
+    return rewrite_block("conformance", results_path.parent)
 
 
 def main(argv: list[str] | None = None) -> int:

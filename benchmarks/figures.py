@@ -522,5 +522,14 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def rewrite_block(key: str, results_dir: Path = RESULTS_DIR) -> bool:
+    """Re-render block ``key`` wherever the registry places it, warning (not raising) about problems, so a long
+    benchmark run is never lost at its end; True when every doc that should hold the block has it."""
+    problems = write(keys=[key], results_dir=results_dir)
+    for problem in problems:
+        print(f"warning: {problem}")
+    return not problems
+
+
 if __name__ == "__main__":
     sys.exit(main())

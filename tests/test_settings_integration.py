@@ -11,6 +11,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from lightning_bigtrain.functional.sharding import is_replica, local_view
 from lightning_bigtrain.strategies import DeepSpeedOptions, DeepSpeedZeroStrategy, ZeroStrategy
 from tests.helpers.distributed import run_on_ranks
 from tests.helpers.settings import SETTINGS, by_name
@@ -71,22 +72,9 @@ class _Interrupt(L.Callback):
             trainer.should_stop = True
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    to_local = getattr(t, "to_local", None)
-    return to_local() if callable(to_local) else t
-
-
-def _is_replica(t: torch.Tensor) -> bool:
-    """Whether every rank holds the whole tensor: not a DTensor shard, not a DeepSpeed-partitioned parameter."""
-    if hasattr(t, "ds_tensor"):
-        return False
-    placements = getattr(t, "placements", None)
-    return placements is None or all(p.is_replicate() for p in placements)
-
-
 def _replicas(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Each replicated parameter as this rank holds it, before any gather (shards are not replicas)."""
-    return {n: _local(p).detach().clone() for n, p in model.named_parameters() if _is_replica(p)}
+    return {n: local_view(p).detach().clone() for n, p in model.named_parameters() if is_replica(p)}
 
 
 class _Perturb(L.Callback):
@@ -97,7 +85,7 @@ class _Perturb(L.Callback):
             with torch.no_grad():
                 p = next(pl_module.parameters())
                 local = getattr(p, "ds_tensor", None)
-                (local if local is not None else _local(p)).add_(1e-2)
+                (local if local is not None else local_view(p)).add_(1e-2)
 
 
 def _replicated_twin(strategy: object) -> object:
@@ -135,7 +123,7 @@ def _fit_and_resume(rank: int, name: str, ckpt_dir: str, perturb: bool = False) 
 
     uninterrupted, model, trainer = run(None, None, extra_callbacks=[_Perturb()] if perturb else [])
     replicas = _replicas(model)
-    sharded = any(not _is_replica(p) for p in model.parameters())
+    sharded = any(not is_replica(p) for p in model.parameters())
     out = {
         "replicas": replicas,
         "sharded": sharded,

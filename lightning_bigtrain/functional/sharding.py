@@ -9,9 +9,31 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-__all__ = ["CommCounter", "auto_wrap_targets", "count_comm_", "is_fully_sharded", "shard_module_"]
+__all__ = [
+    "CommCounter",
+    "auto_wrap_targets",
+    "count_comm_",
+    "is_fully_sharded",
+    "is_replica",
+    "local_view",
+    "shard_module_",
+]
 
 _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+
+
+def local_view(t: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of ``t``: a DTensor's local shard (a view sharing its storage), else ``t`` itself."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
+def is_replica(t: torch.Tensor) -> bool:
+    """Whether every rank holds the whole of ``t``: not a DTensor shard, not a DeepSpeed-partitioned parameter."""
+    if hasattr(t, "ds_tensor"):
+        return False
+    placements = getattr(t, "placements", None)
+    return placements is None or all(p.is_replicate() for p in placements)
 
 
 def _num_params(module: nn.Module) -> int:
