@@ -74,7 +74,12 @@ def _measure(rank: int, name: str) -> dict:
     state = [*engine.errors.values(), *engine.factors.values()] if engine else []
     error_bytes = sum(t.numel() * t.element_size() for t in state)
     at, peak = timeline.live_bytes() if "_" not in name else ({}, {})
+    # The flat engine's (ZeRO-1/2) largest gradient bucket: what an asynchronous reduce-scatter may leave "live".
+    optimizer = getattr(trainer.strategy.optimizers[0], "_optimizer", trainer.strategy.optimizers[0])
+    buckets = getattr(optimizer, "_buckets", [])
+    bucket = max((b.flat.numel() * b.flat.element_size() for b in buckets), default=0)
     return {
+        "bucket": bucket,
         "states": report.report["model_state_bytes_per_rank"][rank] + error_bytes,
         "comm": callbacks[-1].per_step if name != "ddp" else None,
         # Tensor bytes live at the steady state's peak, less the dataset's tensors.
@@ -91,10 +96,11 @@ def test_predictions_match_what_the_strategies_hold_and_send(name):
         if "_" not in name:
             # Peak tensor memory within 10%: the allocator's events on the training thread. Compressed rows are
             # left out: their exchange thread allocates the messages, which the profiler does not see.
-            # The profiler sees frees only on the thread that allocated: at ZeRO-2 the input of the asynchronous
-            # reduce-scatter, released last on gloo's thread, can stay "live" in the record; one flat bucket is
-            # allowed there (one bucket is the whole of this small model); the other rows get no slack.
-            stray = sum(p.numel() * 4 for p in _model().parameters()) if name == "zero2" else 0
+            # The profiler sees frees only on the thread that allocated: at ZeRO-1/2 the input of the flat engine's
+            # asynchronous reduce-scatter, released last on gloo's thread, can stay "live" in the record (seen at
+            # both stages). One such bucket, the largest the engine built, is allowed there; DDP and ZeRO-3 get
+            # no slack. (On this small model one bucket happens to hold every parameter.)
+            stray = measured["bucket"]
             assert 0.90 * predicted.peak_bytes <= measured["peak"] <= 1.10 * predicted.peak_bytes + stray
         if measured["comm"] is not None:
             assert measured["comm"] == pytest.approx(predicted.comm_bytes_per_step, rel=1e-9)
