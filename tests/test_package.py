@@ -75,3 +75,27 @@ def test_installed_lightning_is_in_the_declared_range_and_the_compat_names_resol
     assert any(s.operator == "<" for s in spec), "setup.cfg must bound lightning from above"
     assert lightning.__version__ in spec, (lightning.__version__, str(spec))
     assert all(getattr(compat, name) is not None for name in compat.__all__ if name != "StrategyMixinBase")
+
+
+def test_functional_and_engines_do_not_import_lightning_or_the_upper_layers():
+    """docs/architecture.md's layer rule: functional (stateless) and engines (stateful) build on torch only."""
+    import ast
+    from pathlib import Path
+
+    root = Path(bt.__file__).parent
+    bad = []
+    for folder in ("functional", "engines"):
+        for path in sorted((root / folder).glob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+                if isinstance(node, ast.ImportFrom) and node.module:
+                    names = [node.module]
+                for name in names:
+                    top = name.split(".")[:2]
+                    if top[0] == "lightning" or (
+                        top[0] == "lightning_bigtrain"
+                        and top[1:]
+                        and top[1] in ("strategies", "callbacks", "plugins", "cli", "demo")
+                    ):
+                        bad.append(f"{path.relative_to(root)} imports {name}")
+    assert not bad, bad
