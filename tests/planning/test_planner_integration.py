@@ -108,9 +108,9 @@ def test_predictions_match_what_the_strategies_hold_and_send(name):
             # 3). One such message, the largest the strategy builds, is allowed; DDP (not seen there) gets no
             # slack. (On this small model the flat engine's one bucket holds every parameter.)
             stray = measured["bucket"]
-            # ZeRO-3: in full-suite runs the peak reached 1.22x the prediction (one unit's slack included it is
+            # ZeRO-3: in full-suite runs the peak reached 122% of the prediction (one unit's slack included it is
             # still over), alone it stays within 10%: the planner's ZeRO-3 transient (gathered units, prefetch)
-            # under-predicts there. Bounded at 1.25x until the planner models it; see docs/planning.md.
+            # under-predicts there. Bounded at 125% until the planner models it; see docs/planning.md.
             upper = 1.25 if name == "zero3" else 1.10
             assert 0.90 * predicted.peak_bytes <= measured["peak"] <= upper * predicted.peak_bytes + stray
         if measured["comm"] is not None:
