@@ -64,7 +64,9 @@ def zero_strategy(
             "`zero_strategy(engine='torch', deepspeed=DeepSpeedOptions(...))`: DeepSpeed's knobs need "
             "engine='deepspeed' (or 'auto')."
         )
-    return ZeroStrategy(stage, min_wrap_params=100_000 if min_wrap_params is None else min_wrap_params, **common)
+    if min_wrap_params is not None:
+        common["min_wrap_params"] = min_wrap_params
+    return ZeroStrategy(stage, **common)  # ZeroStrategy's own default otherwise, not a copy of it
 
 
 def register_auto(registry: _StrategyRegistry) -> None:

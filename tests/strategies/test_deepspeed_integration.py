@@ -185,3 +185,34 @@ def _offload_on_cpu(rank: int) -> list[str]:
 def test_offload_on_cpu_warns_and_trains():
     messages = run_on_ranks(_offload_on_cpu, world_size=1, init_process_group=False)[0]
     assert any("offload_optimizer=True)` has no effect with accelerator='cpu'" in m for m in messages), messages
+
+
+def _buffers_at_third_forward(rank: int, broadcast: bool) -> torch.Tensor:
+    """BatchNorm statistics as the third training forward sees them (after that step's broadcast, before its own
+    batch updates them)."""
+    from lightning_bigtrain.data import FashionMNISTDataModule
+    from lightning_bigtrain.models import FashionCNN
+
+    L.seed_everything(0, verbose=False)
+    model = FashionCNN(channels=(8, 16))
+    seen: list[torch.Tensor] = []
+
+    def record(module: torch.nn.Module, args: object) -> None:
+        if module.training:
+            seen.append(torch.cat([b.detach().reshape(-1).clone() for b in module.buffers() if b.is_floating_point()]))
+
+    model.register_forward_pre_hook(record)
+    strategy = DeepSpeedZeroStrategy(1, options=ZeroOptions(broadcast_buffers=broadcast))
+    trainer = L.Trainer(strategy=strategy, max_steps=3, enable_checkpointing=False, **_COMMON)
+    trainer.fit(model, datamodule=FashionMNISTDataModule(batch_size=16, subset=96))
+    return seen[2]
+
+
+def test_buffers_are_broadcast_before_every_step_and_not_when_switched_off():
+    """DeepSpeed broadcasts buffers only at start-up; ZeroOptions(broadcast_buffers=True) makes every step start from
+    rank 0's BatchNorm statistics, as DDP and the torch engine do (the ranks see different batches, so without it
+    the statistics drift apart)."""
+    on = run_on_ranks(_buffers_at_third_forward, True, init_process_group=False)
+    off = run_on_ranks(_buffers_at_third_forward, False, init_process_group=False)
+    assert torch.equal(on[0], on[1])
+    assert not torch.equal(off[0], off[1])
