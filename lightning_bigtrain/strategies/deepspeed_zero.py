@@ -376,6 +376,7 @@ class DeepSpeedZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, DeepSpeedStr
 
         assert self.root_device is not None
         device_rank = self.root_device.index if self.root_device.type == "cuda" else self.local_rank
+        _release_stale_deepspeed_groups()
         engine, ds_optimizer, _, _ = deepspeed.initialize(
             args=argparse.Namespace(device_rank=device_rank),
             config=self.config,
@@ -430,3 +431,27 @@ class DeepSpeedZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, DeepSpeedStr
         """Per-rank bytes of parameters (stage 3: this rank's partitions), the fp32 partitions and gradients the
         engine keeps, and optimizer states, counted once in the second step after backward."""
         self._log_state_bytes(self.model_state_bytes())
+
+
+def _release_stale_deepspeed_groups() -> None:
+    """Drop DeepSpeed's cached process groups when they no longer belong to the live process group.
+
+    DeepSpeed keeps its groups (a clone of the world, data/model-parallel groups, a device mesh) in module globals
+    for the life of the process. A process group destroyed by torch rather than through ``deepspeed.comm`` (a
+    notebook or a sweep that re-initialises its group between fits) leaves them pointing at a dead group, and the
+    next engine fails in its first broadcast ("Group ... is not registered")."""
+    from deepspeed.utils import groups
+    from torch.distributed.distributed_c10d import _world
+
+    release = getattr(groups, "_release_process_group_references", None)
+    cached = [
+        getattr(groups, name, None)
+        for name in (
+            "_WORLD_GROUP",
+            "_DATA_PARALLEL_GROUP",
+            "_MODEL_PARALLEL_GROUP",
+            "_ZERO_PARAM_INTRA_PARALLEL_GROUP",
+        )
+    ]
+    if release is not None and any(g is not None and g not in _world.pg_group_ranks for g in cached):
+        release(None)

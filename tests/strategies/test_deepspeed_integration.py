@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import warnings
 
@@ -22,7 +23,7 @@ from lightning_bigtrain.strategies import (
 from lightning_bigtrain.strategies.options import resolve_engine
 from lightning_bigtrain.strategies.zero import consolidate_checkpoint
 from lightning_bigtrain.warnings import NoEffectWarning
-from tests.helpers.distributed import run_on_ranks
+from tests.helpers.distributed import free_port, run_on_ranks
 
 pytestmark = pytest.mark.integration
 
@@ -216,3 +217,27 @@ def test_buffers_are_broadcast_before_every_step_and_not_when_switched_off():
     off = run_on_ranks(_buffers_at_third_forward, False, init_process_group=False)
     assert torch.equal(on[0], on[1])
     assert not torch.equal(off[0], off[1])
+
+
+def _fit_on_two_process_groups(rank: int) -> int:
+    """Two DeepSpeed fits in one process, the first run's process group destroyed by torch in between (as a
+    notebook or a sweep that re-initialises its group does), not through DeepSpeed."""
+    import torch.distributed as dist
+
+    steps = []
+    for _ in range(2):
+        L.seed_everything(0, verbose=False)
+        trainer = L.Trainer(strategy=DeepSpeedZeroStrategy(2), max_steps=2, enable_checkpointing=False, **_COMMON)
+        trainer.fit(_model(), datamodule=_data())
+        steps.append(trainer.global_step)
+        port = [free_port()]
+        dist.broadcast_object_list(port, src=0)
+        os.environ["MASTER_PORT"] = str(port[0])  # a fresh rendezvous for the next group
+        dist.destroy_process_group()
+    return sum(steps)
+
+
+def test_a_second_fit_on_a_new_process_group_does_not_use_deepspeeds_stale_groups():
+    """DeepSpeed caches its process groups for the life of the process; a group destroyed behind its back left
+    them stale and the next engine failed in its first broadcast ("Group ... is not registered")."""
+    assert run_on_ranks(_fit_on_two_process_groups, init_process_group=False) == [4, 4]
