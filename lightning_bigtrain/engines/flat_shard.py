@@ -10,6 +10,12 @@ the gradient bytes, as a ring all-reduce would. With fp32 AdamW a rank holds (8 
 parameter at stage 1 (4 + 4 + 8/N) and (4 + 12/N) at stage 2, where only its slice of the reduced
 gradients is kept (the ZeRO paper's formulas).
 
+Mixed precision (``param_dtype=torch.bfloat16`` or ``torch.float16``) is the paper's layout: the replicated
+parameters and the gradient buckets are 16-bit, and each rank keeps the fp32 master copy of its slice in the
+optimizer state (key ``"master"``), steps it with fp32 gradients made for the step, and all-gathers the
+16-bit parameters: (2 + 2 + K/N) bytes per parameter at stage 1 and (2 + (2 + K)/N) at stage 2, K = 12 for
+Adam (fp32 master, momentum and variance). 16-bit buckets are divided by N before they are summed.
+
 Slices are exposed to the optimizer as 1-D ``DTensor`` shards of their bucket, so gradient
 clipping by norm (``torch.nn.utils.clip_grad_norm_``) computes the true global norm, and
 ``torch.distributed.checkpoint`` saves and reshards the optimizer state across world sizes.
@@ -23,14 +29,17 @@ from __future__ import annotations
 
 import inspect
 import math
+from collections.abc import Collection, Generator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-__all__ = ["ELEMENTWISE_OPTIMIZERS", "FlatShardedOptimizer", "bucket_runs"]
+__all__ = ["ELEMENTWISE_OPTIMIZERS", "FlatGradScaler", "FlatShardedOptimizer", "bucket_runs", "norm_parameters"]
 
 ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.SGD,
@@ -55,6 +64,16 @@ def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, **kwargs: Any) ->
     return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(output, input, **kwargs)
 
 
+_NORMS: tuple[type[nn.Module], ...] = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.modules.batchnorm._NormBase)
+
+
+def norm_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """Parameters of torch's normalization layers (LayerNorm, GroupNorm, RMSNorm, BatchNorm, InstanceNorm), which
+    mixed precision keeps in fp32: a few per channel, and 16-bit weights there would meet fp32 inputs or running
+    statistics in ops that autocast does not cast (CPU's layer norm, batch norm)."""
+    return [p for m in module.modules() if isinstance(m, _NORMS) for p in m.parameters(recurse=False)]
+
+
 def bucket_runs(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
     """Split ``params`` (one dtype) into buckets of about ``bucket_bytes``, in reverse order (backward produces
     gradients roughly last layer first). Each bucket is then padded to a multiple of the world size."""
@@ -67,6 +86,18 @@ def bucket_runs(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.P
         runs[-1].append(p)
         size += p.numel() * p.element_size()
     return runs
+
+
+def _from_local(local: torch.Tensor, mesh: Any, numel: int) -> Any:
+    """``local`` as this rank's 1-D shard of a ``numel``-long DTensor over ``mesh``."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size((numel,)), stride=(1,))
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
 
 
 @dataclass
@@ -83,6 +114,8 @@ class _Bucket:
     staging: torch.Tensor | None = None  # stage 2: the bucket's gradients during one backward pass
     pending: int = 0  # parameters whose gradient has not arrived in this backward pass
     work: Any = None  # the in-flight reduce-scatter
+    master: torch.Tensor | None = None  # mixed precision: this rank's fp32 slice (padded to ``chunk``)
+    predivided: bool = False  # the reduced buffer was divided by the world size before the sum
 
 
 class FlatShardedOptimizer(torch.optim.Optimizer):
@@ -110,6 +143,12 @@ class FlatShardedOptimizer(torch.optim.Optimizer):
             engine that averages each gradient bucket (compressed all-reduce) instead of the reduce-scatter.
         reduce_dtype: Stage 2: reduce-scatter the gradients in this lower precision (``torch.float16`` or
             ``torch.bfloat16``), divided by the world size first; the kept slice stays in the parameters' dtype.
+        param_dtype: Mixed precision: hold the replicated parameters and the gradient buckets in this 16-bit
+            dtype (``torch.bfloat16`` or ``torch.float16``), the fp32 master slices in the optimizer state
+            (``"master"``). The optimizer's parameters are then the 16-bit slices (what clipping and a loss
+            scaler see); the wrapped optimizer steps the masters with fp32 copies of their gradients.
+        keep_fp32: With ``param_dtype``: parameters left in fp32, in fp32 buckets of their own (the strategy
+            passes :func:`norm_parameters`).
 
     Raises:
         TypeError: The optimizer is not element-wise, or cannot be rebuilt from its ``defaults``.
@@ -123,10 +162,17 @@ class FlatShardedOptimizer(torch.optim.Optimizer):
         shard_gradients: bool = False,
         compression: Any = None,
         reduce_dtype: torch.dtype | None = None,
+        param_dtype: torch.dtype | None = None,
+        keep_fp32: Collection[nn.Parameter] = (),
     ) -> None:
-        from torch.distributed.tensor import DTensor, Shard
-
         self.stage = 2 if shard_gradients else 1
+        if param_dtype not in (None, torch.float16, torch.bfloat16):
+            raise ValueError(
+                f"`FlatShardedOptimizer(param_dtype={param_dtype})`: mixed precision holds parameters in "
+                "torch.bfloat16 or torch.float16 (None keeps the parameters' own dtype)."
+            )
+        if param_dtype is not None and compression is not None:
+            raise ValueError("`FlatShardedOptimizer(param_dtype=...)` cannot be combined with `compression=`.")
         if not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
             names = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
             raise TypeError(
@@ -142,9 +188,12 @@ class FlatShardedOptimizer(torch.optim.Optimizer):
             raise ValueError("`FlatShardedOptimizer(compression=...)` applies to stage 1 (replicated gradients) only.")
         self.compression = compression  # a GradientCompression engine: stage 1's gradients are all-reduced by it
         self.reduce_dtype = reduce_dtype  # stage 2: reduce-scatter in this (lower) precision
+        self.param_dtype = param_dtype  # mixed precision: 16-bit replicas, fp32 masters
         self.require_sync = True
         self.comm_bytes = 0  # bytes this rank sent in collectives, cumulative (the compression engine counts its own)
         self._buckets: list[_Bucket] = []
+        self._shards: list[list[nn.Parameter]] = []  # per group: the slices the optimizer's groups show
+        self._pairs: list[tuple[_Bucket, nn.Parameter, nn.Parameter]] = []  # (bucket, its slice, what is stepped)
         inner_groups = []
         for group in optimizer.param_groups:
             params = [p for p in group["params"] if p.requires_grad]
@@ -157,20 +206,30 @@ class FlatShardedOptimizer(torch.optim.Optimizer):
                     f"`ZeroStrategy(stage={self.stage})`: a parameter group mixes dtypes {sorted(map(str, dtypes))}; "
                     "put parameters of different dtypes into different groups."
                 )
-            buckets = self._flatten(params, bucket_bytes)
-            shards = []
+            if param_dtype is not None and params[0].dtype != torch.float32:
+                raise TypeError(
+                    f"`ZeroStrategy(stage={self.stage})` in mixed precision keeps fp32 master copies of fp32 "
+                    f"parameters; this group's are {params[0].dtype}. Leave the parameters in fp32 (the "
+                    "strategy holds them in 16 bits itself)."
+                )
+            kept = {id(p) for p in keep_fp32} if param_dtype is not None else set()
+            buckets = self._flatten([p for p in params if id(p) not in kept], bucket_bytes, param_dtype)
+            buckets += self._flatten([p for p in params if id(p) in kept], bucket_bytes, None)
+            shards, masters = [], []
             for b in buckets:
                 lo = min(self.rank * b.chunk, b.numel)
                 hi = min(lo + b.chunk, b.numel)
-                size = torch.Size((b.numel,))
-                shard = nn.Parameter(
-                    DTensor.from_local(b.flat[lo:hi], mesh, [Shard(0)], run_check=False, shape=size, stride=(1,))
-                )
+                shard = nn.Parameter(_from_local(b.flat[lo:hi], mesh, b.numel))
                 local_grad = b.grad[lo:hi] if b.grad is not None else b.shard_grad[: hi - lo]  # type: ignore[index]
-                shard.grad = DTensor.from_local(local_grad, mesh, [Shard(0)], run_check=False, shape=size, stride=(1,))
+                shard.grad = _from_local(local_grad, mesh, b.numel)
                 shards.append(shard)
+                # What the optimizer steps: the fp32 master of a 16-bit bucket, else the slice itself.
+                master = shard if b.master is None else nn.Parameter(_from_local(b.master[: hi - lo], mesh, b.numel))
+                masters.append(master)
+                self._pairs.append((b, shard, master))
             self._buckets += buckets
-            inner_groups.append({**hyper, "params": shards})
+            inner_groups.append({**hyper, "params": masters})
+            self._shards.append(shards)
         accepted = inspect.signature(type(optimizer).__init__).parameters
         kwargs = {k: v for k, v in optimizer.defaults.items() if k in accepted}
         try:
@@ -181,9 +240,16 @@ class FlatShardedOptimizer(torch.optim.Optimizer):
                 f"from its defaults: {err}"
             ) from err
         super().__init__([torch.zeros(0)], dict(optimizer.defaults))
-        # Share the inner optimizer's groups and state so schedulers and checkpoints act on the shards.
+        # Share the inner optimizer's groups and state so schedulers and checkpoints act on the shards. In mixed
+        # precision the groups show the 16-bit slices (clipping and loss scaling act on their gradients); the
+        # inner optimizer sees its fp32 masters only inside `_stepping_masters`.
         self.param_groups = self.inner.param_groups
         self.state = self.inner.state
+        self._masters = [list(group["params"]) for group in self.inner.param_groups]
+        self._mixed = any(b.master is not None for b in self._buckets)
+        if self._mixed:
+            for group, shards in zip(self.inner.param_groups, self._shards, strict=True):
+                group["params"] = shards
         self._queued = False
         self._reset_pending()
         for b in self._buckets:
@@ -227,9 +293,14 @@ class FlatShardedOptimizer(torch.optim.Optimizer):
         if self.compression is not None:
             b.work = self.compression.exchange(buffer, self.compression.segments(buffer, b.params, b.offsets))
             return
+        b.predivided = False
         if self.reduce_dtype is not None and buffer.dtype != self.reduce_dtype:
             # Pre-divided, as torch's fp16 hook does, so the low-precision sum stays in range.
             buffer = b.staging = buffer.div(self.world).to(self.reduce_dtype)
+            b.predivided = True
+        elif b.master is not None:
+            buffer.div_(self.world)  # 16-bit buckets: divided before the sum too
+            b.predivided = True
         mine = buffer[self.rank * b.chunk : (self.rank + 1) * b.chunk]
         b.work = _reduce_scatter(mine, buffer, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         self.comm_bytes += (self.world - 1) * mine.numel() * mine.element_size()
@@ -238,12 +309,17 @@ class FlatShardedOptimizer(torch.optim.Optimizer):
         self._queued = False
         self.reduce_gradients()
 
-    def _flatten(self, params: list[nn.Parameter], bucket_bytes: int) -> list[_Bucket]:
-        """Lay ``params`` out in one buffer of padded buckets; parameters and gradients become views."""
+    def _flatten(self, params: list[nn.Parameter], bucket_bytes: int, dtype: torch.dtype | None) -> list[_Bucket]:
+        """Lay ``params`` out in one buffer of padded buckets; parameters and gradients become views. With a 16-bit
+        ``dtype`` the buffer is in that dtype and each bucket keeps this rank's fp32 master slice."""
+        if not params:
+            return []
         runs = bucket_runs(params, bucket_bytes)
         chunks = [math.ceil(sum(p.numel() for p in run) / self.world) for run in runs]
         first = params[0]
-        flat = torch.zeros(sum(chunks) * self.world, dtype=first.dtype, device=first.device)
+        mixed = dtype is not None and dtype != first.dtype
+        src = dist.get_global_rank(self.group, 0)
+        flat = torch.zeros(sum(chunks) * self.world, dtype=dtype or first.dtype, device=first.device)
         grad = torch.zeros_like(flat) if self.stage == 1 else None
         buckets, start = [], 0
         for run, chunk in zip(runs, chunks, strict=True):
@@ -253,19 +329,31 @@ class FlatShardedOptimizer(torch.optim.Optimizer):
                 b.grad = grad[start : start + padded]
             else:
                 b.shard_grad = torch.zeros(chunk, dtype=flat.dtype, device=flat.device)
+            lo = self.rank * chunk
+            if mixed:
+                b.master = torch.zeros(chunk, dtype=first.dtype, device=first.device)
             offset = 0
             for p in run:
                 n = p.numel()
                 b.offsets.append(offset)
-                b.flat[offset : offset + n].copy_(p.detach().reshape(-1))
+                values = p.detach().reshape(-1)
+                if mixed:
+                    # Rank 0's fp32 values: this rank's master slice is taken before they are rounded to 16 bits.
+                    values = values.clone()
+                    dist.broadcast(values, src=src, group=self.group)
+                    a, z = max(offset, lo), min(offset + n, lo + chunk)
+                    if a < z and b.master is not None:
+                        b.master[a - lo : z - lo].copy_(values[a - offset : z - offset])
+                b.flat[offset : offset + n].copy_(values)
                 p.data = b.flat[offset : offset + n].view_as(p)
                 p.grad = b.grad[offset : offset + n].view_as(p) if b.grad is not None else None
                 offset += n
             b.numel = offset
             buckets.append(b)
             start += padded
-        # Start from rank 0's parameters everywhere, as DDP does.
-        dist.broadcast(flat, src=dist.get_global_rank(self.group, 0), group=self.group)
+        if not mixed:
+            # Start from rank 0's parameters everywhere, as DDP does.
+            dist.broadcast(flat, src=src, group=self.group)
         return buckets
 
     def _restore_grad_views(self) -> None:
@@ -292,14 +380,14 @@ class FlatShardedOptimizer(torch.optim.Optimizer):
             b.work = None
             lo, hi = self.rank * b.chunk, (self.rank + 1) * b.chunk
             if b.grad is not None:
-                if self.compression is None:  # the compressed exchange returns the average itself
+                if self.compression is None and not b.predivided:  # the compressed exchange averages itself
                     b.grad[lo:hi].div_(self.world)
                 b.grad[:lo].zero_()
                 b.grad[hi:].zero_()
             else:
                 assert b.staging is not None and b.shard_grad is not None
-                if b.staging.dtype != b.shard_grad.dtype:
-                    b.shard_grad.add_(b.staging[lo:hi].to(b.shard_grad.dtype))  # pre-divided
+                if b.predivided:
+                    b.shard_grad.add_(b.staging[lo:hi].to(b.shard_grad.dtype))
                 else:
                     b.shard_grad.add_(b.staging[lo:hi], alpha=1.0 / self.world)
                 b.staging = None
@@ -321,10 +409,47 @@ class FlatShardedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.inner.step()
+        if not self._mixed:
+            self.inner.step()
+        else:
+            with self._stepping_masters(with_grads=True):
+                self.inner.step()
+            self._masters_to_replicas()
         self.gather_parameters()
         self._opt_called = True  # an LR scheduler re-bound to this wrapper checks it
         return loss
+
+    def _masters_to_replicas(self) -> None:
+        """The masters, rounded to 16 bits, into this rank's slice of the replicas (all-gathered afterwards)."""
+        for b in self._buckets:
+            if b.master is not None:
+                lo = self.rank * b.chunk
+                b.flat[lo : lo + b.chunk].copy_(b.master)
+
+    @contextmanager
+    def _stepping_masters(self, with_grads: bool = False) -> Generator[None, None, None]:
+        """Mixed precision: the inner optimizer's groups hold the fp32 masters (with fp32 copies of the 16-bit
+        gradient slices when ``with_grads``) for the duration; afterwards the 16-bit slices again, the fp32
+        gradients freed, and each master recorded in its optimizer state as ``"master"``."""
+        groups = self.inner.param_groups
+        for group, masters in zip(groups, self._masters, strict=True):
+            group["params"] = masters
+        if with_grads:
+            for _, shard, master in self._pairs:
+                if master is not shard:
+                    assert shard.grad is not None
+                    master.grad = _from_local(_local(shard.grad).float(), self.mesh, shard.numel())
+        try:
+            yield
+        finally:
+            for group, shards in zip(groups, self._shards, strict=True):
+                group["params"] = shards
+            for _, shard, master in self._pairs:
+                if master is not shard:
+                    master.grad = None
+                    state = self.inner.state.get(master)
+                    if state:
+                        state["master"] = master
 
     step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
 
@@ -337,7 +462,11 @@ class FlatShardedOptimizer(torch.optim.Optimizer):
         for group in self.inner.param_groups:
             group["lr"] = 0.0
         self.zero_grad()
-        self.inner.step()
+        if not self._mixed:
+            self.inner.step()
+        else:
+            with self._stepping_masters(with_grads=True):
+                self.inner.step()
         for group, lr in zip(self.inner.param_groups, lrs, strict=True):
             group["lr"] = lr
 
@@ -348,9 +477,68 @@ class FlatShardedOptimizer(torch.optim.Optimizer):
         self._restore_grad_views()
 
     def state_dict(self) -> dict[str, Any]:
-        return self.inner.state_dict()
+        """The inner optimizer's; in mixed precision each state also holds the fp32 master slice (``"master"``)."""
+        if not self._mixed:
+            return self.inner.state_dict()
+        with self._stepping_masters():
+            return self.inner.state_dict()
 
+    @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.inner.load_state_dict(state_dict)
+        if not self._mixed:
+            self.inner.load_state_dict(state_dict)
+        else:
+            with self._stepping_masters():
+                self.inner.load_state_dict(state_dict)
+                for _, shard, master in self._pairs:
+                    if master is shard:
+                        continue
+                    saved = self.inner.state[master].pop("master", None)
+                    if saved is None:
+                        raise KeyError(
+                            "This ZeRO optimizer checkpoint has no fp32 master copies: it was written "
+                            "without mixed precision. Resume it with the precision it was trained in."
+                        )
+                    _local(master).copy_(_local(saved))
+            self._masters_to_replicas()  # the replicas follow the masters
+            self.gather_parameters()
         self.param_groups = self.inner.param_groups
         self.state = self.inner.state
+
+    def layout(self, module: nn.Module) -> list[list[tuple[list[str], int, tuple[int, ...]]]]:
+        """Where each parameter lies in each bucket, by name: per bucket (the optimizer state's index), a list of
+        ``(names, offset, shape)`` (a tied parameter has several names). Lets a consolidation rebuild fp32
+        weights from the masters of a mixed-precision checkpoint."""
+        names: dict[int, list[str]] = {}
+        for name, p in module.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), []).append(name)
+        return [
+            [(names.get(id(p), []), offset, tuple(p.shape)) for p, offset in zip(b.params, b.offsets, strict=True)]
+            for b in self._buckets
+        ]
+
+
+class FlatGradScaler(ShardedGradScaler):
+    """Dynamic loss scaling (fp16) over :class:`FlatShardedOptimizer`'s 16-bit gradient slices.
+
+    Each rank checks only its own slices for overflow; the found-inf flags are summed over ``process_group``
+    (as torch's ``ShardedGradScaler`` does) so that every rank skips the same steps and lowers the scale alike.
+    The slices are unscaled in place as local tensors (they are ``DTensor`` shards)."""
+
+    def _unscale_grads_(
+        self,
+        optimizer: torch.optim.Optimizer,
+        inv_scale: torch.Tensor,
+        found_inf: torch.Tensor,
+        allow_fp16: bool = True,
+    ) -> dict[torch.device, torch.Tensor]:
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        with torch.no_grad():
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    if param.grad is not None:
+                        grad = _local(param.grad)
+                        by_dtype.setdefault(grad.dtype, []).append(grad)
+            for grads in by_dtype.values():
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+        return {found_inf.device: found_inf}

@@ -34,6 +34,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from lightning_bigtrain.engines.flat_shard import norm_parameters
 from lightning_bigtrain.functional.compression import COMPRESSION_NAMES
 from lightning_bigtrain.warnings import BigtrainWarning
 
@@ -70,7 +71,8 @@ STRATEGY_NAMES = {
     "zero3_offload": "bigtrain_zero3_offload",
 }
 # Bytes per element of (parameters, gradients, each fp32-state element) held by the strategies per precision.
-# Lightning's "-mixed" precisions autocast over fp32 parameters; "-true" hold everything in 16 bits;
+# Lightning's "-mixed" precisions autocast over fp32 parameters (DDP; ZeRO-3 and offload keep fp32 shards; ZeRO-1/2
+# hold 16-bit replicas with fp32 masters instead, see `flat_row` in `_plan`); "-true" hold everything in 16 bits;
 # "bigtrain-bf16-kahan" / "-stochastic" are BF16Precision's (bf16 states, Kahan buffer 2 bytes).
 _PRECISIONS: dict[str, tuple[int, int, float, int]] = {
     # precision: (param bytes, grad bytes, optimizer-state bytes per fp32 state byte, extra state bytes)
@@ -461,6 +463,7 @@ def measure_activations(
     *,
     checkpoint_blocks: Sequence[nn.Module] = (),
     precision: str = "32-true",
+    weights_16bit: bool = False,
 ) -> tuple[float, float, float]:
     """Bytes the forward pass saves for backward (activations), measured on fake tensors: without and
     with activation checkpointing of ``checkpoint_blocks`` (each block then keeps only its input, and the
@@ -470,7 +473,9 @@ def measure_activations(
 
     The pass runs in ``precision``'s dtypes: for the ``-true`` precisions (and BF16Precision's) on 16-bit copies
     of the weights, buffers and floating inputs, with 16 bits as the default dtype; for the ``-mixed`` ones under
-    CPU autocast to 16 bits, so the 16-bit copies of the weights that the layers keep for backward count too.
+    CPU autocast to 16 bits, so the 16-bit copies of the weights that the layers keep for backward count too,
+    unless ``weights_16bit`` (ZeRO-1/2 in mixed precision hold the trainable weights but those of normalization
+    layers in 16 bits: no copies).
 
     Parameters are not counted (they are model states). Raises on models that cannot run on fake tensors.
     """
@@ -529,6 +534,10 @@ def measure_activations(
                 return f.to(dtype).detach() if cast else f  # fake: the real tensors are not copied
 
             params = {n: fake(p).requires_grad_(p.requires_grad) for n, p in model.named_parameters()}
+            if weights_16bit and dtype is not None:  # as ZeroStrategy holds them: normalization layers stay fp32
+                kept = {id(p) for p in norm_parameters(model)}
+                cast = {n for n, p in model.named_parameters() if p.requires_grad and id(p) not in kept}
+                params = {n: p.detach().to(dtype).requires_grad_() if n in cast else p for n, p in params.items()}
             buffers = {n: fake(b) for n, b in model.named_buffers()}
             for t in (*params.values(), *buffers.values()):
                 param_storages.add(storage_key(t))
@@ -656,6 +665,8 @@ def _plan(model_or_num_params: nn.Module | int, cluster: Cluster, workload: Work
 
     activations = 0.0
     backward_extra = 0.0  # the working set of backward above the saved activations
+    activations16: float | None = None  # the same with 16-bit trainable weights (ZeRO-1/2 under "-mixed")
+    backward_extra16 = 0.0
     if isinstance(model_or_num_params, nn.Module):
         model = model_or_num_params
         params = [p for p in model.parameters()]
@@ -670,6 +681,12 @@ def _plan(model_or_num_params: nn.Module | int, cluster: Cluster, workload: Work
                                                                    precision=precision)  # fmt: skip
                 activations = checkpointed if activation_checkpointing else plain
                 backward_extra = working - plain
+                if precision.endswith("-mixed"):  # ZeRO-1/2's 16-bit replicas: autocast copies none of them
+                    plain16, checkpointed16, working16 = measure_activations(
+                        model, example, checkpoint_blocks=blocks, precision=precision, weights_16bit=True
+                    )
+                    activations16 = checkpointed16 if activation_checkpointing else plain16
+                    backward_extra16 = working16 - plain16
             except Exception as err:  # any failure to trace falls back to counting
                 warnings.warn(
                     f"plan: could not run {type(model).__name__} on fake tensors ({type(err).__name__}: {err}); "
@@ -680,7 +697,12 @@ def _plan(model_or_num_params: nn.Module | int, cluster: Cluster, workload: Work
                 notes.append("activations not measured (the model could not run on fake tensors)")
         else:
             notes.append("activations not measured (give batch_shape)")
-        flat_chunks = _flat_chunks(_param_groups(model, trainable), n)
+        groups = _param_groups(model, trainable)
+        flat_chunks = _flat_chunks(groups, n)
+        kept = {id(p) for p in norm_parameters(model)}  # fp32 buckets of their own under "-mixed"
+        mixed_chunks = (_flat_chunks([[p for p in g if id(p) not in kept] for g in groups], n),
+                        _flat_chunks([[p for p in g if id(p) in kept] for g in groups], n))  # fmt: skip
+        psi_kept = sum(p.numel() for p in trainable if id(p) in kept)
         tensors = len(trainable)
         fsdp_numel = _fsdp_padded_numel(model, n)
         fsdp_numel_train = _fsdp_padded_numel(model, n, trainable_only=True)
@@ -692,6 +714,7 @@ def _plan(model_or_num_params: nn.Module | int, cluster: Cluster, workload: Work
         blocks = []
         buckets = max(1, math.ceil(psi * p_bytes / _BUCKET_BYTES))
         flat_chunks = [math.ceil(psi / buckets / n)] * buckets
+        mixed_chunks, psi_kept = (flat_chunks, [0]), 0
         fsdp_numel = fsdp_numel_train = math.ceil(psi / n) * n
         largest_unit = float(min(psi, _BUCKET_BYTES // p_bytes))  # units of about a bucket's size
         notes.append("activations not measured (a parameter count was given, not a model)")
@@ -707,7 +730,35 @@ def _plan(model_or_num_params: nn.Module | int, cluster: Cluster, workload: Work
     units = len(blocks) + 1 if blocks else max(1, math.ceil(psi * p_bytes / _BUCKET_BYTES))
     rows: dict[str, PlanRow] = {}
     ddp_buckets = max(1, math.ceil(psi_train * g_bytes / _BUCKET_BYTES))
-    flat_bytes = 2 * ring * sum(flat_chunks) * n * p_bytes  # reduce-scatter + all-gather of padded buckets
+    # Stages 1-2 under "-mixed" hold the ZeRO paper's layout (16-bit replicas and gradient buckets, fp32 masters in
+    # the sharded optimizer state), unless a compressor keeps them in fp32 (compressed zero1 rows).
+    mixed = precision.endswith("-mixed")
+
+    def flat_row(stage: int, mixed: bool) -> tuple[float, float, float, float, float, float]:
+        """Stages 1-2 on FlatShardedOptimizer: bytes of parameters, gradients, optimizer states and transients,
+        bytes sent and seconds per step."""
+        if mixed:  # 16-bit buckets with fp32 masters; normalization layers' buckets in fp32
+            chunks16, chunks32 = mixed_chunks
+            share16, share32 = sum(chunks16), sum(chunks32)
+            chunks = [c for c in chunks16 + chunks32 if c]
+            share_bytes = 2 * share16 + 4 * share32  # one slice of every bucket
+            p_dev = (psi - psi_train) * p_bytes + 2 * (psi_train - psi_kept) + 4 * psi_kept
+            g_full = 2 * (psi_train - psi_kept) + 4 * psi_kept
+            s_dev = share16 * (state_per_param + 4) + share32 * state_per_param
+            extra = 4.0 * share16  # the fp32 gradient slices the optimizer steps with
+        else:
+            chunks = [c for c in flat_chunks if c]
+            share_bytes = sum(flat_chunks) * p_bytes
+            p_dev, g_full = psi * p_bytes, psi_train * g_bytes
+            s_dev = sum(flat_chunks) * state_per_param
+            extra = 0.0
+        sent = 2 * ring * share_bytes * n  # reduce-scatter + all-gather of padded buckets
+        seconds = ring_seconds(share_bytes * n, max(1, len(chunks)), 2)
+        g_dev = g_full if stage == 1 else share_bytes
+        s_dev += step_bytes * len(chunks) if tensors else 0
+        transient = 0.0 if stage == 1 else min(_BUCKET_BYTES, g_full)  # one staging bucket
+        return p_dev, g_dev, s_dev, transient + extra, sent, seconds
+
     for name in STRATEGIES:
         offload = name.endswith("offload") and accelerator == "cuda"
         stage = {"ddp": 0, "zero1": 1, "zero2": 2}.get(name, 3)
@@ -733,21 +784,18 @@ def _plan(model_or_num_params: nn.Module | int, cluster: Cluster, workload: Work
             s_dev = psi_train * state_per_param + tensors * step_bytes
             transient = psi_train * g_bytes  # DDP's gradient buckets (copies of the gradients)
         else:
-            sent = flat_bytes
-            seconds = ring_seconds(sum(flat_chunks) * n * p_bytes, len(flat_chunks), 2)
-            share = sum(flat_chunks)
-            p_dev = psi * p_bytes
-            g_dev = psi_train * g_bytes if stage == 1 else share * g_bytes
-            s_dev = share * state_per_param + (step_bytes * sum(1 for c in flat_chunks if c) if tensors else 0)
-            transient = 0.0 if stage == 1 else min(_BUCKET_BYTES, psi_train * g_bytes)  # one staging bucket
-        transient += backward_extra
+            p_dev, g_dev, s_dev, transient, sent, seconds = flat_row(stage, mixed)
+        row_activations, row_extra = activations, backward_extra
+        if mixed and stage in (1, 2) and not fsdp and activations16 is not None:
+            row_activations, row_extra = activations16, backward_extra16
+        transient += row_extra
         host_bytes = 0.0
         offload_seconds = 0.0
         if offload:
             host_bytes = p_dev + g_dev + s_dev
             offload_seconds = 2 * (p_dev + g_dev) / host  # parameters in, gradients out, every step
             p_dev = g_dev = s_dev = 0.0
-        row = PlanRow(name, p_dev, g_dev, s_dev, activations, transient, host_bytes, sent, seconds, offload_seconds,
+        row = PlanRow(name, p_dev, g_dev, s_dev, row_activations, transient, host_bytes, sent, seconds, offload_seconds,
                       fits=False)  # fmt: skip
         fits = row.peak_bytes <= memory and (host_limit is None or host_bytes * devices <= host_limit)
         rows[name] = PlanRow(**{**row.__dict__, "fits": fits})
@@ -760,7 +808,16 @@ def _plan(model_or_num_params: nn.Module | int, cluster: Cluster, workload: Work
         for name, (base, cname) in COMPRESSED_STRATEGIES.items():
             if cname == "powersgd" and shapes is None:
                 continue
-            row = _compressed_row(name, rows[base], cname, shapes, psi_train, g_bytes, n, beta, latency, ddp_buckets)
+            base_row, base_g_bytes = rows[base], g_bytes
+            if mixed and base == "zero2":
+                base_g_bytes = 2  # 16-bit gradient buckets already
+            elif mixed and base == "zero1":
+                # A compressor keeps stage 1's replicas and gradients in fp32 (the strategy warns so).
+                p_dev, g_dev, s_dev, transient, sent, seconds = flat_row(1, False)
+                base_row = PlanRow("zero1", p_dev, g_dev, s_dev, activations, transient + backward_extra, 0.0,
+                                   sent, seconds, 0.0, fits=False)  # fmt: skip
+            row = _compressed_row(name, base_row, cname, shapes, psi_train, base_g_bytes, n, beta, latency,
+                                  ddp_buckets)  # fmt: skip
             fits = row.peak_bytes <= memory
             compressed[name] = PlanRow(**{**row.__dict__, "fits": fits})
         if shapes is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import threading
 from collections.abc import Generator
@@ -37,7 +38,7 @@ from lightning_bigtrain.checkpointing import (
     staging_path,
 )
 from lightning_bigtrain.engines.compression import GradientCompression
-from lightning_bigtrain.engines.flat_shard import FlatShardedOptimizer
+from lightning_bigtrain.engines.flat_shard import FlatGradScaler, FlatShardedOptimizer, norm_parameters
 from lightning_bigtrain.functional.compression import Cast, Compressor
 from lightning_bigtrain.functional.memory import model_state_bytes
 from lightning_bigtrain.functional.sharding import (
@@ -65,6 +66,7 @@ if TYPE_CHECKING:
 
 __all__ = ["ZeroStrategy", "consolidate_checkpoint"]
 _CAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+_LAYOUT_KEY = "bigtrain_flat_layout"  # mixed-precision stages 1-2: where parameters lie in the fp32 masters
 
 
 class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy):
@@ -84,9 +86,11 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
     parameters; see :func:`~lightning_bigtrain.functional.sharding.auto_wrap_targets`), unless the
     module already sharded itself in ``configure_model``. Works with any optimizer and LR scheduler from
     ``configure_optimizers``, gradient accumulation, gradient clipping by the global norm over all
-    shards, frozen parameters, and ``precision="bf16-mixed"`` (at stage 3 mapped onto FSDP2's
-    ``MixedPrecisionPolicy``: bf16 compute, fp32 gradient reduction and fp32 sharded parameters; at
-    stages 1 and 2 autocast over fp32 parameters, as with DDP).
+    shards, frozen parameters, and ``precision="bf16-mixed"`` / ``"16-mixed"`` (at stage 3 mapped onto
+    FSDP2's ``MixedPrecisionPolicy``: 16-bit compute, fp32 gradient reduction and fp32 sharded parameters; at
+    stages 1 and 2 the ZeRO paper's layout: 16-bit replicated parameters and gradient buckets, reduced in 16
+    bits, fp32 master slices in the sharded optimizer state, autocast as with DDP; fp16 with dynamic loss
+    scaling whose overflow check is agreed by all ranks).
     Checkpoints are sharded (torch.distributed.checkpoint) to a local folder or an fsspec URL
     (``s3://...``, ``file://...``; the filesystem's fsspec package must be installed), resume exactly, and
     load at another world size.
@@ -286,6 +290,8 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
                 engine = GradientCompression(self._compression.compressor, self.model, mesh.get_group())
                 self._compression.attach(engine, self.global_rank)
             reduce_dtype = self._reduce_dtype()
+            param_dtype = self._flat_param_dtype(engine is not None)
+            keep_fp32 = norm_parameters(self.model)  # normalization layers stay fp32: a few weights per channel
             for optimizer in self.optimizers:
                 flat = FlatShardedOptimizer(
                     optimizer,
@@ -293,12 +299,18 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
                     shard_gradients=self.stage == 2,
                     compression=engine,
                     reduce_dtype=reduce_dtype if self.stage == 2 else None,
+                    param_dtype=param_dtype,
+                    keep_fp32=keep_fp32,
                 )
                 for config in self.lr_scheduler_configs:
                     if getattr(config.scheduler, "optimizer", None) is optimizer:
                         config.scheduler.optimizer = flat
                 wrapped.append(flat)
             self.optimizers = wrapped
+            plugin = self.precision_plugin
+            if param_dtype == torch.float16 and isinstance(plugin, MixedPrecision) and plugin.scaler is not None:
+                # Every rank sees only its gradient slices: overflow is agreed over the group, so all skip alike.
+                plugin.scaler = FlatGradScaler(device=self.root_device.type, process_group=mesh.get_group())
         else:
             # Evaluation: parameters stay replicated; make every rank start from rank 0's weights.
             for tensor in self.model.state_dict().values():
@@ -331,6 +343,12 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         """Sharded: a folder written under a temporary name and committed by rank 0 (``filepath`` becomes a link,
         or a pointer object on object stores); one file: through the atomic ``checkpoint_io``."""
         checkpoint[RNG_KEY] = self._rng_state()
+        flats = [getattr(o, "_optimizer", o) for o in self.optimizers]
+        if any(isinstance(o, FlatShardedOptimizer) and o._mixed for o in flats):
+            # Where each parameter lies in the fp32 masters, so `consolidate_checkpoint` writes fp32 weights.
+            assert self.model is not None
+            checkpoint[_LAYOUT_KEY] = [o.layout(self.model) if isinstance(o, FlatShardedOptimizer) else None
+                                       for o in flats]  # fmt: skip
         if self._compression is not None:
             state = self._compression.state_for_checkpoint(self)
             if state is not None:
@@ -470,6 +488,24 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         self._compression_active = self.compression is not None and compression_applies(
             self.compression, self.model, self.world_size, f"ZeroStrategy(stage={self.stage})"
         )
+
+    def _flat_param_dtype(self, compressed: bool) -> torch.dtype | None:
+        """Stages 1-2 under ``"bf16-mixed"`` / ``"16-mixed"``: the 16-bit dtype the replicated parameters and
+        gradient buckets are held in (fp32 masters in the optimizer state); None keeps them as they are."""
+        plugin = self.precision_plugin
+        if not isinstance(plugin, MixedPrecision):
+            return None
+        dtype = torch.bfloat16 if plugin.precision == "bf16-mixed" else torch.float16
+        if compressed:
+            warn_once(
+                f"`ZeroStrategy(stage={self.stage}, compression={self.compression!r})` with "
+                f"precision={plugin.precision!r} keeps fp32 replicated parameters and gradients (the compressed "
+                "all-reduce and its error feedback run in fp32), so stage 1 holds (4 + 4 + 8/N) bytes per "
+                "parameter instead of mixed precision's (2 + 2 + 12/N). Drop `compression=` for the 16-bit layout.",
+                NoEffectWarning,
+            )
+            return None
+        return dtype
 
     def _reduce_dtype(self) -> torch.dtype | None:
         """The dtype gradients are reduced in when ``compression`` is an active ``Cast``, else None."""
@@ -688,7 +724,26 @@ def consolidate_checkpoint(path: str | os.PathLike[str], output: str | os.PathLi
     checkpoint = _load_distributed_checkpoint(folder)
     if "state_dict" not in checkpoint:
         raise ValueError(f"{folder} holds no `state_dict`; is it a ZeroStrategy checkpoint?")
+    _masters_into_state_dict(checkpoint)
     for key in [k for k in checkpoint if k.startswith("optimizer_")]:
         del checkpoint[key]
     torch.save(checkpoint, out)
     return out
+
+
+def _masters_into_state_dict(checkpoint: dict[str, Any]) -> None:
+    """Mixed precision at stages 1-2: replace the 16-bit weights of ``state_dict`` with the fp32 masters kept in the
+    optimizer states (each bucket's ``"master"``), by the layout saved beside them."""
+    for i, layout in enumerate(checkpoint.pop(_LAYOUT_KEY, None) or []):
+        if layout is None:
+            continue
+        states = checkpoint[f"optimizer_{i}"]["state"]
+        for index, bucket in enumerate(layout):
+            state = states.get(index, states.get(str(index), {}))
+            master = state.get("master")
+            if master is None:  # a bucket kept in fp32 (normalization layers): its weights are fp32 already
+                continue
+            for names, offset, shape in bucket:
+                numel = math.prod(shape)
+                for name in names:
+                    checkpoint["state_dict"][name] = master[offset : offset + numel].reshape(shape).clone()

@@ -96,3 +96,42 @@ def _reject(rank: int) -> str:
 def test_rejects_optimizers_that_are_not_elementwise():
     message = run_on_ranks(_reject)[0]
     assert "cannot shard LBFGS" in message and "Use stage=3 (per-parameter sharding)" in message
+
+
+def _fp16_overflow(rank: int, shard_gradients: bool) -> dict:
+    """fp16 replicas with dynamic loss scaling: an overflow in one rank's gradient slice only."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_bigtrain.engines.flat_shard import FlatGradScaler
+
+    mesh = init_device_mesh("cpu", (2,))
+    net = _net()
+    opt = FlatShardedOptimizer(torch.optim.AdamW(net.parameters(), lr=0.05), mesh, shard_gradients=shard_gradients,
+                               param_dtype=torch.float16)  # fmt: skip
+    scaler = FlatGradScaler(device="cpu", init_scale=2.0**8, process_group=mesh.get_group())
+    out = []
+    for step in range(2):
+        torch.manual_seed(100 + step)
+        x = torch.randn(2, 4, 7)[rank].half()
+        opt.zero_grad()
+        scaler.scale(net(x).float().pow(2).mean()).backward()
+        if step == 0 and rank == 1:  # only rank 1 sees the overflow, in the slice it owns
+            opt._pairs[0][1].grad.to_local()[0] = float("inf")
+        before = torch.cat([p.detach().reshape(-1).clone() for p in net.parameters()])
+        scaler.step(opt)
+        scaler.update()
+        after = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+        out.append({"changed": bool((after != before).any()), "scale": float(scaler.get_scale()), "w": after})
+    return {"steps": out, "dtype": next(net.parameters()).dtype}
+
+
+@pytest.mark.parametrize("shard_gradients", [False, True], ids=["stage1", "stage2"])
+def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(shard_gradients):
+    """Each rank checks only its own gradient slices; FlatGradScaler agrees on the overflow over the group, so both
+    ranks skip the step and halve the scale alike, and the next step updates both to the same weights."""
+    r0, r1 = run_on_ranks(_fp16_overflow, shard_gradients)
+    assert r0["dtype"] == r1["dtype"] == torch.float16
+    for r in (r0, r1):
+        assert not r["steps"][0]["changed"] and r["steps"][0]["scale"] == 2.0**7  # skipped, scale halved
+        assert r["steps"][1]["changed"] and r["steps"][1]["scale"] == 2.0**7
+    torch.testing.assert_close(r0["steps"][1]["w"], r1["steps"][1]["w"], rtol=0, atol=0)

@@ -411,6 +411,12 @@ SETTINGS: tuple[Setting, ...] = (
             ddp_atol=2e-3),
     Setting(name="kd_cache_cnn", model=_tiny_cnn, data=_tiny_fashion, trainer_kwargs=_kd_cache_cnn),
     Setting(name="nm_ddp_gpt", model=_tiny_gpt, data=_tiny_shakespeare, trainer_kwargs=_nm_ddp_gpt),
+    # Mixed precision at stages 1-2: bf16 replicas and gradient buckets, fp32 masters in the optimizer state (the
+    # checkpoint holds them, so resume is exact); BatchNorm's buffers stay fp32 under autocast.
+    Setting(name="zero1_mixed_gpt", model=_tiny_gpt_dropout, data=_tiny_shakespeare,
+            trainer_kwargs=lambda: {**_zero(1)(), "precision": "bf16-mixed"}),
+    Setting(name="zero2_mixed_cnn", model=_tiny_cnn, data=_tiny_fashion,
+            trainer_kwargs=lambda: {**_zero(2)(), "precision": "bf16-mixed"}),
 )  # fmt: skip
 
 

@@ -41,6 +41,18 @@ def test_zero_paper_formulas_reproduce_figure_1():
         assert zero_paper_bytes(stage, int(psi), n) == pytest.approx(value, rel=0.02)
 
 
+def test_this_packages_strategies_reproduce_figure_1_in_mixed_precision():
+    """The same setting through `plan`: stages 1-2 hold 16-bit replicas with fp32 masters in the sharded optimizer
+    state, stage 3 fp32 shards (FSDP2's MixedPrecisionPolicy), so their model states are the paper's."""
+    rows = plan(7.5e9, devices=64, precision="16-mixed", optimizer="adam")
+    expected = {"ddp": 120e9, "zero1": 31.4e9, "zero2": 16.6e9, "zero3": 1.9e9}
+    for name, value in expected.items():
+        assert rows[name].model_states_bytes == pytest.approx(value, rel=0.02), name
+    # 16-bit buckets: stages 1-2 send half of the fp32 run's bytes.
+    fp32 = plan(7.5e9, devices=64, precision="32-true", optimizer="adam")
+    assert rows["zero2"].comm_bytes_per_step == pytest.approx(fp32["zero2"].comm_bytes_per_step / 2)
+
+
 def test_deepspeed_estimates_are_the_paper_formulas_plus_its_fp32_gradient_partition():
     """DeepSpeed's estimators count what its engine holds: the paper's states plus an fp32 gradient partition
     (4 bytes / N per parameter), and at stage 3 the largest layer gathered in fp32."""

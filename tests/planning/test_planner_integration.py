@@ -52,7 +52,7 @@ class _Marks(L.Callback):
             self.timeline.mark("steps")
 
 
-def _measure(rank: int, name: str) -> dict:
+def _measure(rank: int, name: str, precision: str = "32-true") -> dict:
     L.seed_everything(0, verbose=False)
     base, _, compression = name.partition("_")
     if base == "ddp":
@@ -67,7 +67,7 @@ def _measure(rank: int, name: str) -> dict:
         callbacks: list[L.Callback] = [report, _Marks(timeline)] + ([_CommPerStep()] if name != "ddp" else [])
         trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=_STEPS, limit_val_batches=0,
                             enable_checkpointing=False, logger=False, enable_progress_bar=False,
-                            enable_model_summary=False, callbacks=callbacks)  # fmt: skip
+                            enable_model_summary=False, callbacks=callbacks, precision=precision)  # fmt: skip
         data = ShakespeareDataModule(block_size=_BATCH[1], batch_size=_BATCH[0], subset=256)
         trainer.fit(model, datamodule=data)
     engine = getattr(trainer.strategy, "compression_engine", None)
@@ -94,10 +94,20 @@ def _measure(rank: int, name: str) -> dict:
     }
 
 
-@pytest.mark.parametrize("name", ["ddp", "zero1", "zero2", "zero3", "ddp_powersgd", "zero1_topk", "zero2_fp16"])
-def test_predictions_match_what_the_strategies_hold_and_send(name):
-    predicted = plan(_model(), devices=2, accelerator="cpu", batch_shape=_BATCH)[name]
-    for measured in run_on_ranks(_measure, name, init_process_group=False):
+@pytest.mark.parametrize(
+    ("name", "precision"),
+    [(n, "32-true") for n in ("ddp", "zero1", "zero2", "zero3", "ddp_powersgd", "zero1_topk", "zero2_fp16")]
+    + [("zero1", "bf16-mixed"), ("zero2", "bf16-mixed")],
+)
+def test_predictions_match_what_the_strategies_hold_and_send(name, precision):
+    """Under bf16-mixed, stages 1-2 hold the ZeRO paper's layout: 16-bit replicas and gradient buckets, fp32 master
+    slices in the optimizer state (2 + 2 + 12/N and 2 + 14/N bytes per parameter with AdamW), 16-bit traffic."""
+    predicted = plan(_model(), devices=2, accelerator="cpu", batch_shape=_BATCH, precision=precision)[name]
+    if precision == "bf16-mixed":
+        fp32 = plan(_model(), devices=2, accelerator="cpu", batch_shape=_BATCH)[name]
+        # 16-bit buckets (the normalization layers' few weights stay fp32).
+        assert predicted.comm_bytes_per_step == pytest.approx(fp32.comm_bytes_per_step / 2, rel=0.01)
+    for measured in run_on_ranks(_measure, name, precision, init_process_group=False):
         # Model states exactly, padding included (what the README claims).
         assert measured["states"] == predicted.model_states_bytes
         if "_" not in name:
