@@ -271,6 +271,7 @@ BLOCKS: dict[str, Block] = {
     for b in (
         Block("headline", render_headline, ("README.md",), _RESULTS_OF_HEADLINE),
         Block("zero", _module("benchmarks.zero"), ("docs/zero.md",), ("zero.json",)),
+        Block("zero-memory", _module("benchmarks.zero_memory"), ("docs/zero.md",), ("zero_memory.json",)),
         Block("ddp", _module("benchmarks.ddp"), ("docs/zero.md",), ("ddp.json",)),
         Block("precision", _module("benchmarks.precision"), ("docs/bf16.md",), ("precision*.json",)),
         Block("compression", _module("benchmarks.compression"), ("docs/compression.md",), ("compression.json",)),

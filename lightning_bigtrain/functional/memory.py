@@ -9,7 +9,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-__all__ = ["model_state_bytes", "peak_memory_bytes", "tensor_bytes"]
+__all__ = ["model_state_bytes", "peak_memory_bytes", "set_mmap_threshold", "tensor_bytes"]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -73,3 +73,22 @@ def peak_memory_bytes(device: torch.device | None = None) -> int:
         return int(torch.cuda.max_memory_allocated(device))
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss if sys.platform == "darwin" else rss * 1024)  # Linux reports KiB, macOS bytes
+
+
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+
+
+def set_mmap_threshold(nbytes: int) -> bool:
+    """Serve host allocations above ``nbytes`` by ``mmap`` (returned to the system when freed) and stop glibc from
+    raising that threshold dynamically. Returns whether it was applied (glibc on Linux only)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # not glibc (musl has no mallopt)
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, int(nbytes)))

@@ -8,6 +8,7 @@ import torch
 from typing_extensions import override
 
 from lightning_bigtrain._compat import StrategyMixinBase
+from lightning_bigtrain.functional.memory import set_mmap_threshold
 from lightning_bigtrain.functional.rng import fold_seed, seed_all_
 
 RNG_KEY = "bigtrain_rng"
@@ -17,6 +18,13 @@ class ZeroCommon(StrategyMixinBase):
     """Mixed into a Lightning ``ParallelStrategy`` with ``options: ZeroOptions`` and ``memory: dict``."""
 
     _rng_seed: int | None = None
+
+    def _fix_host_allocator(self, states_on_host: bool) -> None:
+        """``ZeroOptions(host_mmap_threshold=...)``: when the sharded states live in host memory, keep glibc from
+        holding freed step buffers in its heap (see the option)."""
+        threshold = getattr(self, "options").host_mmap_threshold  # noqa: B009 (the host strategy's ZeroOptions)
+        if states_on_host and threshold is not None:
+            set_mmap_threshold(threshold)
 
     @classmethod
     def _register_stages(cls, registry: Any, prefix: str, engine: str) -> None:

@@ -363,6 +363,7 @@ class DeepSpeedZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, DeepSpeedStr
             self.config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
             if offload_params:
                 self.config["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": True}
+        self._fix_host_allocator(on_cpu or offload)
         self._rng_seed = torch.initial_seed()  # replaced by the checkpoint's on resume
         super().setup(trainer)
 

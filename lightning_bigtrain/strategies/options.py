@@ -120,6 +120,14 @@ class ZeroOptions:
             the folder is committed (and older checkpoints removed) once every rank has written it,
             checked at each batch start and at the end of training. One save is in flight at a time (the next
             one waits for it), and a preemption checkpoint is written synchronously.
+        host_mmap_threshold: Bytes above which host allocations are served by ``mmap`` and returned to the system
+            when freed (glibc's ``M_MMAP_THRESHOLD``, set in each rank at setup; on other C libraries nothing is
+            done). glibc raises this threshold each time a large block is freed, after which the gathered units,
+            gradient buckets and optimizer temporaries of every step come from its heap, where freed memory is kept
+            and fragments: the process's resident memory then grows far above what the tensors hold (measured in
+            ``benchmarks/zero_memory.py``; docs/zero.md). Fixing the threshold keeps it near what is live, at no
+            measured cost in step time. Acts when the sharded states are in host memory (``accelerator="cpu"``
+            or offloading); ``None`` leaves the allocator alone. The setting is process-wide.
     """
 
     save_distributed_checkpoint: bool = True
@@ -129,8 +137,15 @@ class ZeroOptions:
     process_group_backend: str | None = None
     timeout: timedelta | None = default_pg_timeout
     async_checkpoint: bool = False
+    host_mmap_threshold: int | None = 128 * 1024
 
     def __post_init__(self) -> None:
+        threshold = self.host_mmap_threshold
+        if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0):
+            raise ValueError(
+                f"`ZeroOptions(host_mmap_threshold={threshold!r})`: give a number of bytes >= 0 (e.g. 131072), "
+                "or None to leave the host allocator alone."
+            )
         if self.start_method not in get_args(StartMethod):
             raise ValueError(
                 f"`ZeroOptions(start_method={self.start_method!r})`: choose one of {', '.join(get_args(StartMethod))}."

@@ -101,6 +101,8 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
     Acts in: ``setup_environment`` (process group, 1-D mesh), ``setup`` (precision convert, shard,
     optimizers), ``on_train_batch_start`` (step-seeded RNG), ``training_step`` (buffer broadcast),
     ``optimizer_step`` (per-rank model-state bytes logged once, in the second step after backward),
+    ``setup`` also fixes glibc's mmap threshold when the states are in host memory
+    (``ZeroOptions(host_mmap_threshold=...)``),
     ``save_checkpoint`` / ``load_checkpoint`` (shards and the run's seeds).
 
     Args:
@@ -235,6 +237,7 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
                 f"({type(module).__name__}): there is nothing to shard or train."
             )
         _materialize_distributed_module(self.model, self.root_device)
+        self._fix_host_allocator(self.root_device.type == "cpu" or self.offload_optimizer)
         self._rng_seed = torch.initial_seed()  # replaced by the checkpoint's on resume
         if self._flat_engine:
             self._setup_flat(trainer)

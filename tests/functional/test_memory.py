@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+
+import pytest
 import torch
 from torch import nn
 
@@ -34,3 +37,10 @@ def test_peak_memory_is_positive_and_monotonic():
     assert peak_memory_bytes() >= first > 0
     assert peak_memory_bytes() >= 64 * 2**20
     del big
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_mmap_threshold_is_set_through_glibc():
+    from lightning_bigtrain.functional.memory import set_mmap_threshold
+
+    assert set_mmap_threshold(128 * 1024) is True

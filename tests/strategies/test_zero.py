@@ -108,3 +108,10 @@ def test_url_with_missing_filesystem_names_the_package(monkeypatch):
     with pytest.raises(ImportError, match=r"lightning_bigtrain\[s3\]"):
         _is_url("s3://bucket/ckpt")
     assert not _is_url("/local/path")
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "128k", True])
+def test_host_mmap_threshold_is_validated(bad):
+    with pytest.raises(ValueError, match=r"ZeroOptions\(host_mmap_threshold="):
+        ZeroOptions(host_mmap_threshold=bad)
+    assert ZeroOptions(host_mmap_threshold=None).host_mmap_threshold is None

@@ -1,0 +1,151 @@
+"""Memory you can see: peak RSS per rank of DDP and the ZeRO stages on a large model, next to their accounting.
+
+    python -m benchmarks.zero_memory [--quick] [--configs ...] [--results-dir DIR]
+
+A char-GPT of about 150M parameters (12 layers, width 1024; ``--quick``: 4 layers, width 512, about 13M) trained
+for a few steps with AdamW on Shakespeare at world size 2 (CPU, gloo), under plain Lightning DDP (the peer) and
+ZeroStrategy stages 1/2/3, in fp32 and in ``bf16-mixed``. Each configuration runs twice, in fresh processes: on
+the large model, and on a tiny one (under 1M parameters) whose peak RSS is the runtime's own footprint (torch,
+Lightning, gloo, the data) for that same strategy. The figure is the difference per parameter, next to what the
+strategy's accounting says it holds (parameters, gradients and optimizer states per rank: ``model_state_bytes``,
+taken at the second step), and the ratios between stages. What the rest is (optimizer temporaries, DDP's buckets,
+the allocator's high-water mark) is in docs/zero.md. Rendered there by :func:`render_block`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import RESULTS_DIR, command_line, print_table, ratio, run_worker, write_results
+
+STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
+PRECISIONS = ("32-true", "bf16-mixed")
+CONFIGS = tuple(f"{s}@{p}" for p in PRECISIONS for s in STRATEGIES)
+SIZES = {"large": (12, 1024), "quick": (4, 512), "tiny": (2, 64)}  # (layers, width)
+
+
+def worker(config: str, size: str, steps: int, out: str) -> None:
+    import lightning as L
+
+    from benchmarks.common import set_flush_denormal
+    from lightning_bigtrain.callbacks import RunReport
+    from lightning_bigtrain.data import ShakespeareDataModule
+    from lightning_bigtrain.models import CharGPT
+    from lightning_bigtrain.strategies import ZeroStrategy
+
+    name, precision = config.split("@")
+    set_flush_denormal()
+    L.seed_everything(0, verbose=False)
+    data = ShakespeareDataModule(block_size=64, batch_size=2, subset=4096)
+    layers, width = SIZES[size]
+    model = CharGPT(vocab_size=data.vocab_size, block_size=64, n_layer=layers, n_head=8, n_embd=width)
+    psi = sum(p.numel() for p in model.parameters())
+    strategy: Any = "ddp" if name == "ddp" else ZeroStrategy(stage=int(name[-1]))
+    report = RunReport(warmup_steps=1, verbose=False)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, precision=precision, max_steps=steps,
+                        limit_val_batches=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[report])  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(model, datamodule=data)
+    if trainer.is_global_zero:
+        Path(out).write_text(json.dumps({**report.report, "psi": psi, "size": size, "config": config}))
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--size", default="large", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(args.worker, args.size, args.steps, args.out)
+        return {}
+
+    size = "quick" if args.quick else "large"
+
+    def run(config: str, which: str) -> dict[str, Any]:
+        return run_worker("benchmarks.zero_memory",
+                          ["--worker", config, "--size", which, "--steps", str(args.steps)])  # fmt: skip
+
+    figures: dict[str, Any] = {}
+    for config in args.configs:
+        tiny, big = run(config, "tiny"), run(config, size)
+        psi = big["psi"]
+        above = [b - t for b, t in zip(big["peak_memory_bytes_per_rank"], tiny["peak_memory_bytes_per_rank"],
+                                       strict=True)]  # fmt: skip
+        states = big["model_state_bytes_per_rank"]
+        figures[config] = {
+            "psi": psi,
+            "tiny_psi": tiny["psi"],
+            "footprint_bytes_per_rank": tiny["peak_memory_bytes_per_rank"],
+            "peak_bytes_per_rank": big["peak_memory_bytes_per_rank"],
+            "above_footprint_bytes_per_param": max(above) / psi,
+            "accounting_bytes_per_param": max(states) / psi,
+            "measured_over_accounting": ratio(max(above), max(states)),
+        }
+        print(f"{config}: {figures[config]['above_footprint_bytes_per_param']:.1f} B/param above the footprint, "
+              f"accounting {figures[config]['accounting_bytes_per_param']:.1f}", flush=True)  # fmt: skip
+    for config, f in figures.items():
+        precision = config.split("@")[1]
+        ddp = figures.get(f"ddp@{precision}")
+        f["over_ddp"] = (
+            ratio(f["above_footprint_bytes_per_param"], ddp["above_footprint_bytes_per_param"]) if ddp else None
+        )
+    rows = [{"config": c, "B/param above footprint": f["above_footprint_bytes_per_param"],
+             "accounting B/param": f["accounting_bytes_per_param"],
+             "measured / accounting": f["measured_over_accounting"],
+             "/ DDP": f["over_ddp"] if f["over_ddp"] is not None else "-"} for c, f in figures.items()]  # fmt: skip
+    psi = next(iter(figures.values()))["psi"]
+    print(f"\nPeak RSS per rank above the runtime's footprint, char-GPT {psi / 1e6:.0f}M params, 2 CPU ranks")
+    table = print_table(rows, list(rows[0]))
+    headline = ", ".join(f"{c}: {f['above_footprint_bytes_per_param']:.1f} B/param" for c, f in figures.items())
+    payload = {"config": {"size": size, "layers_width": SIZES[size], "steps": args.steps, "world_size": 2},
+               "figures": figures, "table": table}  # fmt: skip
+    path = write_results("zero_memory", payload, headline, args.results_dir,
+                         command=command_line("benchmarks.zero_memory", argv))  # fmt: skip
+    print(f"wrote {path}")
+    return figures
+
+
+def render_block(results_dir: Path = RESULTS_DIR) -> str:
+    """The ``zero-memory`` figure block (docs/zero.md), from ``results/zero_memory.json``: per strategy and precision,
+    peak RSS per rank above the same strategy's footprint on a tiny model, per parameter, beside the accounting, and
+    the ratio to DDP in the same precision."""
+    from benchmarks.common import load_results, measured_line, sig, times
+
+    results = load_results(results_dir, "zero_memory.json")
+    f, cfg = results["figures"], results["config"]
+    psi = next(iter(f.values()))["psi"]
+    lines = [
+        measured_line(results, "zero_memory.json", results_dir),
+        "",
+        f"Char-GPT of {sig(psi / 1e6)}M parameters, AdamW, 2 CPU ranks over gloo, {cfg['steps']} steps. Peak RSS per "
+        "rank less the same strategy's peak on a tiny model (the runtime's footprint), per parameter; the "
+        "accounting is the strategy's own count of parameters, gradients and optimizer states.",
+        "",
+        "| strategy | precision | peak RSS above footprint, bytes/param | accounting, bytes/param "
+        "| measured / accounting | / DDP (same precision) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for config, r in f.items():
+        name, precision = config.split("@")
+        over = times(r["over_ddp"]) if r.get("over_ddp") is not None else "-"
+        lines.append(
+            f"| {name} | `{precision}` | {sig(r['above_footprint_bytes_per_param'])} "
+            f"| {sig(r['accounting_bytes_per_param'])} | {times(r['measured_over_accounting'])} | {over} |"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
