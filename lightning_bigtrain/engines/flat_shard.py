@@ -88,6 +88,9 @@ def bucket_runs(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.P
     return runs
 
 
+_STAGED = 2  # stage 2: staging buffers alive at once
+
+
 def _from_local(local: torch.Tensor, mesh: Any, numel: int) -> Any:
     """``local`` as this rank's 1-D shard of a ``numel``-long DTensor over ``mesh``."""
     from torch.distributed.tensor import DTensor, Shard
@@ -116,6 +119,7 @@ class _Bucket:
     work: Any = None  # the in-flight reduce-scatter
     master: torch.Tensor | None = None  # mixed precision: this rank's fp32 slice (padded to ``chunk``)
     predivided: bool = False  # the reduced buffer was divided by the world size before the sum
+    done: bool = False  # reduced in this backward pass (and, at stage 2, its staging buffer released)
 
 
 class FlatShardedOptimizer(torch.optim.Optimizer):
@@ -192,6 +196,7 @@ class FlatShardedOptimizer(torch.optim.Optimizer):
         self.require_sync = True
         self.comm_bytes = 0  # bytes this rank sent in collectives, cumulative (the compression engine counts its own)
         self._buckets: list[_Bucket] = []
+        self._in_flight: list[_Bucket] = []  # stage 2: buckets whose reduce-scatter has not been waited for
         self._shards: list[list[nn.Parameter]] = []  # per group: the slices the optimizer's groups show
         self._pairs: list[tuple[_Bucket, nn.Parameter, nn.Parameter]] = []  # (bucket, its slice, what is stepped)
         inner_groups = []
@@ -304,6 +309,12 @@ class FlatShardedOptimizer(torch.optim.Optimizer):
         mine = buffer[self.rank * b.chunk : (self.rank + 1) * b.chunk]
         b.work = _reduce_scatter(mine, buffer, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         self.comm_bytes += (self.world - 1) * mine.numel() * mine.element_size()
+        if b.grad is None:
+            # Stage 2: at most _STAGED buckets' staging buffers alive at once (one being reduced while the next
+            # fills); without the bound every bucket's stayed until backward ended, a full gradient copy.
+            self._in_flight.append(b)
+            while len(self._in_flight) > _STAGED:
+                self._finish(self._in_flight.pop(0))
 
     def _on_backward_end(self) -> None:
         self._queued = False
@@ -370,27 +381,37 @@ class FlatShardedOptimizer(torch.optim.Optimizer):
                     p.grad = view
                 offset += n
 
+    def _finish(self, b: _Bucket) -> None:
+        """Wait for ``b``'s reduce-scatter; average this rank's slice, zero the slices it does not own (stage 1), or
+        add it to the kept gradient slice and release the staging buffer (stage 2)."""
+        b.work.wait()
+        b.work = None
+        b.done = True
+        lo, hi = self.rank * b.chunk, (self.rank + 1) * b.chunk
+        if b.grad is not None:
+            if self.compression is None and not b.predivided:  # the compressed exchange averages itself
+                b.grad[lo:hi].div_(self.world)
+            b.grad[:lo].zero_()
+            b.grad[hi:].zero_()
+        else:
+            assert b.staging is not None and b.shard_grad is not None
+            if b.predivided:
+                b.shard_grad.add_(b.staging[lo:hi].to(b.shard_grad.dtype))
+            else:
+                b.shard_grad.add_(b.staging[lo:hi], alpha=1.0 / self.world)
+            b.staging = None
+
     def reduce_gradients(self) -> None:
         """Finish every bucket's reduce-scatter: average this rank's slices, zero the slices it does not own."""
         for b in self._buckets:
-            if b.work is None:
+            if b.work is None and not b.done:
                 self._start_reduce(b)  # parameters without gradients this pass (unused) or no hooks fired
         for b in self._buckets:
-            b.work.wait()
-            b.work = None
-            lo, hi = self.rank * b.chunk, (self.rank + 1) * b.chunk
-            if b.grad is not None:
-                if self.compression is None and not b.predivided:  # the compressed exchange averages itself
-                    b.grad[lo:hi].div_(self.world)
-                b.grad[:lo].zero_()
-                b.grad[hi:].zero_()
-            else:
-                assert b.staging is not None and b.shard_grad is not None
-                if b.predivided:
-                    b.shard_grad.add_(b.staging[lo:hi].to(b.shard_grad.dtype))
-                else:
-                    b.shard_grad.add_(b.staging[lo:hi], alpha=1.0 / self.world)
-                b.staging = None
+            if not b.done:
+                self._finish(b)
+        self._in_flight.clear()
+        for b in self._buckets:
+            b.done = False
         self._reset_pending()
 
     def gather_parameters(self) -> None:
