@@ -39,6 +39,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
+from lightning_bigtrain.functional.sharding import local_view
+
 __all__ = ["ELEMENTWISE_OPTIMIZERS", "FlatGradScaler", "FlatShardedOptimizer", "bucket_runs", "norm_parameters"]
 
 ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
@@ -96,11 +98,6 @@ def _from_local(local: torch.Tensor, mesh: Any, numel: int) -> Any:
     from torch.distributed.tensor import DTensor, Shard
 
     return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size((numel,)), stride=(1,))
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    to_local = getattr(t, "to_local", None)
-    return to_local() if callable(to_local) else t
 
 
 @dataclass
@@ -192,7 +189,6 @@ class FlatShardedOptimizer(torch.optim.Optimizer):
             raise ValueError("`FlatShardedOptimizer(compression=...)` applies to stage 1 (replicated gradients) only.")
         self.compression = compression  # a GradientCompression engine: stage 1's gradients are all-reduced by it
         self.reduce_dtype = reduce_dtype  # stage 2: reduce-scatter in this (lower) precision
-        self.param_dtype = param_dtype  # mixed precision: 16-bit replicas, fp32 masters
         self.require_sync = True
         self.comm_bytes = 0  # bytes this rank sent in collectives, cumulative (the compression engine counts its own)
         self._buckets: list[_Bucket] = []
@@ -459,7 +455,7 @@ class FlatShardedOptimizer(torch.optim.Optimizer):
             for _, shard, master in self._pairs:
                 if master is not shard:
                     assert shard.grad is not None
-                    master.grad = _from_local(_local(shard.grad).float(), self.mesh, shard.numel())
+                    master.grad = _from_local(local_view(shard.grad).float(), self.mesh, shard.numel())
         try:
             yield
         finally:
@@ -520,7 +516,7 @@ class FlatShardedOptimizer(torch.optim.Optimizer):
                             "This ZeRO optimizer checkpoint has no fp32 master copies: it was written "
                             "without mixed precision. Resume it with the precision it was trained in."
                         )
-                    _local(master).copy_(_local(saved))
+                    local_view(master).copy_(local_view(saved))
             self._masters_to_replicas()  # the replicas follow the masters
             self.gather_parameters()
         self.param_groups = self.inner.param_groups
@@ -558,7 +554,7 @@ class FlatGradScaler(ShardedGradScaler):
             for group in optimizer.param_groups:
                 for param in group["params"]:
                     if param.grad is not None:
-                        grad = _local(param.grad)
+                        grad = local_view(param.grad)
                         by_dtype.setdefault(grad.dtype, []).append(grad)
             for grads in by_dtype.values():
                 torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)

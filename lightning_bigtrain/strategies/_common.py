@@ -10,6 +10,7 @@ from typing_extensions import override
 from lightning_bigtrain._compat import StrategyMixinBase
 from lightning_bigtrain.functional.memory import set_mmap_threshold
 from lightning_bigtrain.functional.rng import fold_seed, seed_all_
+from lightning_bigtrain.warnings import NoEffectWarning, warn_once
 
 RNG_KEY = "bigtrain_rng"
 
@@ -23,8 +24,12 @@ class ZeroCommon(StrategyMixinBase):
         """``ZeroOptions(host_mmap_threshold=...)``: when the sharded states live in host memory, keep glibc from
         holding freed step buffers in its heap (see the option)."""
         threshold = getattr(self, "options").host_mmap_threshold  # noqa: B009 (the host strategy's ZeroOptions)
-        if states_on_host and threshold is not None:
-            set_mmap_threshold(threshold)
+        if states_on_host and threshold is not None and not set_mmap_threshold(threshold):
+            warn_once(
+                f"`ZeroOptions(host_mmap_threshold={threshold})` has no effect here: it sets glibc's mmap threshold, "
+                "and this process's C library is not glibc on Linux. Pass host_mmap_threshold=None to silence this.",
+                NoEffectWarning,
+            )
 
     @classmethod
     def _register_stages(cls, registry: Any, prefix: str, engine: str) -> None:

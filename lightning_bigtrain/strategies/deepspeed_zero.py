@@ -434,25 +434,53 @@ class DeepSpeedZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, DeepSpeedStr
         self._log_state_bytes(self.model_state_bytes())
 
 
-def _release_stale_deepspeed_groups() -> None:
-    """Drop DeepSpeed's cached process groups when they no longer belong to the live process group.
+def _release_stale_deepspeed_groups(force: bool = False) -> bool:
+    """Drop DeepSpeed's cached process groups when they no longer belong to the live process group (or always,
+    with ``force``); return whether they were dropped.
 
-    DeepSpeed keeps its groups (a clone of the world, data/model-parallel groups, a device mesh) in module globals
-    for the life of the process. A process group destroyed by torch rather than through ``deepspeed.comm`` (a
-    notebook or a sweep that re-initialises its group between fits) leaves them pointing at a dead group, and the
-    next engine fails in its first broadcast ("Group ... is not registered")."""
+    DeepSpeed keeps its groups (a clone of the world, data/model-parallel groups, a device mesh, an ``mpu``) in
+    module globals for the life of the process. A process group destroyed by torch rather than through
+    ``deepspeed.comm`` (a notebook or a sweep that re-initialises its group between fits) leaves them pointing at a
+    dead group, and the next engine fails in its first broadcast ("Group ... is not registered"). Recent
+    DeepSpeed releases have a function for this; older ones do not, and their globals are reset here by name."""
     from deepspeed.utils import groups
     from torch.distributed.distributed_c10d import _world
 
+    live = _world.pg_group_ranks
+    singles = [getattr(groups, name, None) for name in _DEEPSPEED_GROUP_GLOBALS]
+    maps = [getattr(groups, name, None) for name in _DEEPSPEED_GROUP_MAPS if not name.endswith("_RANKS")]
+    cached = [g for g in singles if g is not None]
+    cached += [g for m in maps if isinstance(m, dict) for g in m.values() if g is not None]
+    mesh = getattr(groups, "mesh_device", None)
+    if mesh is not None:
+        cached += list(mesh.get_all_groups())
+    stale = getattr(groups, "mpu", None) is not None or any(g not in live for g in cached)
+    if not (force or stale):
+        return False
     release = getattr(groups, "_release_process_group_references", None)
-    cached = [
-        getattr(groups, name, None)
-        for name in (
-            "_WORLD_GROUP",
-            "_DATA_PARALLEL_GROUP",
-            "_MODEL_PARALLEL_GROUP",
-            "_ZERO_PARAM_INTRA_PARALLEL_GROUP",
-        )
-    ]
-    if release is not None and any(g is not None and g not in _world.pg_group_ranks for g in cached):
+    if release is not None:
         release(None)
+        return True
+    for name in (*_DEEPSPEED_GROUP_GLOBALS, "mesh_device", "mpu"):
+        if hasattr(groups, name):
+            setattr(groups, name, None)
+    for name in _DEEPSPEED_GROUP_MAPS:
+        if isinstance(getattr(groups, name, None), dict):
+            getattr(groups, name).clear()
+    return True
+
+
+_DEEPSPEED_GROUP_GLOBALS = (
+    "_WORLD_GROUP",
+    "_DATA_PARALLEL_GROUP",
+    "_MODEL_PARALLEL_GROUP",
+    "_TENSOR_MODEL_PARALLEL_GROUP",
+    "_ZERO_PARAM_INTRA_PARALLEL_GROUP",
+)
+_DEEPSPEED_GROUP_MAPS = (
+    "_EXPERT_PARALLEL_GROUP",
+    "_EXPERT_PARALLEL_GROUP_RANKS",
+    "_EXPERT_DATA_PARALLEL_GROUP",
+    "_EXPERT_DATA_PARALLEL_GROUP_RANKS",
+    "_ALL_TO_ALL_GROUP",
+)

@@ -75,10 +75,10 @@ def _destroy_process_group() -> None:
         ds.destroy_process_group()
     if dist.is_initialized():
         dist.destroy_process_group()
-    groups = sys.modules.get("deepspeed.utils.groups")
-    release = getattr(groups, "_release_process_group_references", None)
-    if release is not None:  # the group may have been destroyed behind DeepSpeed's back: drop its references anyway
-        release(None)
+    if "deepspeed.utils.groups" in sys.modules:  # the group may have been destroyed behind DeepSpeed's back
+        from lightning_bigtrain.strategies.deepspeed_zero import _release_stale_deepspeed_groups
+
+        _release_stale_deepspeed_groups(force=True)
 
 
 def _worker(rank: int, world_size: int, conn: Connection) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from lightning.pytorch.strategies import StrategyRegistry
 from torch import nn
 
@@ -115,3 +116,35 @@ def test_host_mmap_threshold_is_validated(bad):
     with pytest.raises(ValueError, match=r"ZeroOptions\(host_mmap_threshold="):
         ZeroOptions(host_mmap_threshold=bad)
     assert ZeroOptions(host_mmap_threshold=None).host_mmap_threshold is None
+
+
+def test_host_mmap_threshold_warns_where_it_cannot_act(monkeypatch):
+    import lightning_bigtrain.strategies._common as common
+    from lightning_bigtrain.warnings import NoEffectWarning
+
+    monkeypatch.setattr(common, "set_mmap_threshold", lambda nbytes: False)  # a C library without mallopt
+    with pytest.warns(NoEffectWarning, match=r"host_mmap_threshold=131072\)` has no effect"):
+        ZeroStrategy(3)._fix_host_allocator(states_on_host=True)
+
+
+def test_compression_under_mixed_precision_keeps_fp32_replicas_and_says_so():
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    from lightning_bigtrain.warnings import NoEffectWarning
+
+    strategy = ZeroStrategy(1, compression="topk")
+    strategy.precision_plugin = MixedPrecision("bf16-mixed", "cpu")
+    assert strategy._flat_param_dtype(compressed=False) == torch.bfloat16
+    with pytest.warns(NoEffectWarning, match=r"keeps fp32 replicated parameters"):
+        assert strategy._flat_param_dtype(compressed=True) is None
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"param_dtype": torch.float64}, r"FlatShardedOptimizer\(param_dtype=torch.float64\)"),
+    ({"param_dtype": torch.bfloat16, "compression": object()}, r"param_dtype=...\)` cannot be combined"),
+])  # fmt: skip
+def test_flat_engine_mixed_precision_arguments_are_checked(kwargs, match):
+    from lightning_bigtrain.engines.flat_shard import FlatShardedOptimizer
+
+    with pytest.raises(ValueError, match=match):
+        FlatShardedOptimizer(torch.optim.AdamW(nn.Linear(2, 2).parameters()), mesh=None, **kwargs)
