@@ -54,8 +54,12 @@ BENCHES := ddp zero zero_memory precision compression distillation pruning fusio
 # structured_peer has no --quick (a full run is minutes).
 QUICK_BENCHES := $(filter-out structured_peer,$(BENCHES))
 
+# What fits a per-process budget at ~300M parameters (benchmarks/zero_memory.py --fits).
+FITS_BUDGET ?= 5GiB
+
 bench: venv data
 	@set -e; for b in $(BENCHES); do $(PY) -m benchmarks.$$b; done
+	$(PY) -m benchmarks.zero_memory --fits $(FITS_BUDGET)
 	@$(MAKE) --no-print-directory figures
 
 bench-quick: venv data

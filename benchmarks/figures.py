@@ -272,6 +272,12 @@ BLOCKS: dict[str, Block] = {
         Block("headline", render_headline, ("README.md",), _RESULTS_OF_HEADLINE),
         Block("zero", _module("benchmarks.zero"), ("docs/zero.md",), ("zero.json",)),
         Block("zero-memory", _module("benchmarks.zero_memory"), ("docs/zero.md",), ("zero_memory.json",)),
+        Block(
+            "zero-fits",
+            _module("benchmarks.zero_memory", "render_fits_block"),
+            ("docs/zero.md",),
+            ("zero_fits.json",),
+        ),
         Block("ddp", _module("benchmarks.ddp"), ("docs/zero.md",), ("ddp.json",)),
         Block("precision", _module("benchmarks.precision"), ("docs/bf16.md",), ("precision*.json",)),
         Block("compression", _module("benchmarks.compression"), ("docs/compression.md",), ("compression.json",)),
