@@ -55,7 +55,7 @@ BENCHES := ddp zero zero_memory precision compression distillation pruning fusio
 QUICK_BENCHES := $(filter-out structured_peer,$(BENCHES))
 
 # What fits a per-process budget at ~300M parameters (benchmarks/zero_memory.py --fits).
-FITS_BUDGET ?= 5GiB
+FITS_BUDGET ?= 6GiB
 
 bench: venv data
 	@set -e; for b in $(BENCHES); do $(PY) -m benchmarks.$$b; done

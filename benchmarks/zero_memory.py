@@ -1,7 +1,7 @@
 """Memory you can see: peak RSS per rank of DDP and the ZeRO stages on a large model, next to their accounting.
 
     python -m benchmarks.zero_memory [--quick] [--configs ...] [--results-dir DIR]
-    python -m benchmarks.zero_memory --fits 5GiB     # what fits: ~300M parameters under a per-process budget
+    python -m benchmarks.zero_memory --fits 6GiB     # what fits: ~300M parameters under a per-process budget
 
 A char-GPT of about 150M parameters (12 layers, width 1024; ``--quick``: 4 layers, width 512, about 13M) trained
 for a few steps with AdamW on Shakespeare at world size 2 (CPU, gloo), under plain Lightning DDP (the peer) and
