@@ -390,6 +390,11 @@ class DeepSpeedZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, DeepSpeedStr
         return engine, ds_optimizer
 
     @override
+    def teardown(self) -> None:
+        super().teardown()
+        _restore_torch_linear()
+
+    @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         # Lightning's loop has already divided the loss by `accumulate_grad_batches`; DeepSpeed's engine would
         # divide it again (`scale_wrt_gas=True` by default), shrinking gradients by the square of the
@@ -432,6 +437,23 @@ class DeepSpeedZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, DeepSpeedStr
         """Per-rank bytes of parameters (stage 3: this rank's partitions), the fp32 partitions and gradients the
         engine keeps, and optimizer states, counted once in the second step after backward."""
         self._log_state_bytes(self.model_state_bytes())
+
+
+def _restore_torch_linear() -> bool:
+    """Put torch's ``torch.nn.functional.linear`` back where DeepSpeed's stage-3 initialisation replaced it with its
+    memory-efficient autograd function "for the life of the process": later models in the process (a notebook's
+    next fit, a sweep's next trial, a teacher) would otherwise run DeepSpeed's function, whose CUDA kernels round
+    differently from torch's. Another library's replacement is left alone. True if something was restored."""
+    try:
+        from deepspeed.runtime.zero.linear import zero3_linear_wrap
+        from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses as patcher
+    except ImportError:  # a DeepSpeed without the replacement
+        return False
+    original = getattr(patcher, "linear_bk", None)
+    if original is None or torch.nn.functional.linear is not zero3_linear_wrap:
+        return False
+    torch.nn.functional.linear = original
+    return True
 
 
 def _release_stale_deepspeed_groups(force: bool = False) -> bool:

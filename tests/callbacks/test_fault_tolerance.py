@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -124,22 +125,23 @@ def test_lightning_fsdp_sharded_checkpoints_are_committed_and_resume(tmp_path):
     from lightning_bigtrain.data import ShakespeareDataModule
     from lightning_bigtrain.models import CharGPT
 
-    def fit(max_steps: int, ckpt_path: str | None) -> L.LightningModule:
+    def fit(folder: Path, max_steps: int, ckpt_path: str | None) -> L.LightningModule:
         L.seed_everything(0, verbose=False)
         model = CharGPT(block_size=32, n_layer=2, n_head=2, n_embd=32)
         trainer = L.Trainer(
             accelerator="cuda", devices=1, strategy=FSDPStrategy(state_dict_type="sharded"), max_steps=max_steps,
-            limit_val_batches=0, logger=False, enable_progress_bar=False, enable_model_summary=False,
-            callbacks=[FaultTolerance(), ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_last=True)],
+            deterministic="warn", limit_val_batches=0, logger=False, enable_progress_bar=False, enable_model_summary=False,
+            callbacks=[FaultTolerance(), ModelCheckpoint(dirpath=folder, every_n_train_steps=3, save_last=True)],
         )  # fmt: skip
         trainer.fit(model, datamodule=ShakespeareDataModule(block_size=32, batch_size=8, subset=96),
                     ckpt_path=ckpt_path)  # fmt: skip
+        assert trainer.global_step == max_steps
         return model
 
-    reference = fit(6, None)
-    fit(3, None)
-    assert is_committed(tmp_path / "last.ckpt") and os.path.islink(tmp_path / "last.ckpt")
-    resumed = fit(6, "last")
+    reference = fit(tmp_path / "ref", 6, None)
+    fit(tmp_path / "run", 3, None)  # the interrupted run: its own folder (a shared one holds the reference's last)
+    assert is_committed(tmp_path / "run" / "last.ckpt") and os.path.islink(tmp_path / "run" / "last.ckpt")
+    resumed = fit(tmp_path / "run", 6, "last")
     for a, b in zip(reference.state_dict().values(), resumed.state_dict().values(), strict=True):
         torch.testing.assert_close(a, b)
 

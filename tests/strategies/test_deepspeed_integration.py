@@ -248,3 +248,24 @@ def test_a_second_fit_on_a_new_process_group_does_not_use_deepspeeds_stale_group
     them stale and the next engine failed in its first broadcast ("Group ... is not registered"). CI installed a
     DeepSpeed without ``_release_process_group_references`` and failed there: the globals are reset by name."""
     assert run_on_ranks(_fit_on_two_process_groups, without_release_function, init_process_group=False) == [4, 4]
+
+
+def _linear_after_a_stage3_fit(rank: int) -> dict[str, bool]:
+    import torch.nn.functional as F
+
+    original = F.linear
+    L.seed_everything(0, verbose=False)
+    trainer = L.Trainer(strategy=DeepSpeedZeroStrategy(3), max_steps=2, enable_checkpointing=False,
+                        **{**_COMMON, "devices": 1})  # fmt: skip
+    trainer.fit(_model(), datamodule=_data())
+    return {"restored": F.linear is original, "trained": trainer.global_step == 2}
+
+
+def test_a_stage3_fit_leaves_torchs_linear_as_it_found_it():
+    """DeepSpeed's stage-3 initialisation replaces ``torch.nn.functional.linear`` for the life of the process ("This
+    will persist unless manually reset"): every later model in the process (a notebook's next fit, a sweep's next
+    trial, any strategy) then ran DeepSpeed's autograd function, whose CUDA kernels round differently (found by the
+    GPU check: a compiled fit after a stage-3 fit no longer matched eager). The strategy puts torch's back."""
+    assert run_on_ranks(_linear_after_a_stage3_fit, world_size=1, init_process_group=False) == [
+        {"restored": True, "trained": True}
+    ]
