@@ -86,7 +86,8 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
     parameters; see :func:`~lightning_bigtrain.functional.sharding.auto_wrap_targets`), unless the
     module already sharded itself in ``configure_model``. Works with any optimizer and LR scheduler from
     ``configure_optimizers``, gradient accumulation, gradient clipping by the global norm over all
-    shards, frozen parameters, and ``precision="bf16-mixed"`` / ``"16-mixed"`` (at stage 3 mapped onto
+    shards, frozen parameters, and ``precision="bf16-mixed"`` / fp16 (``plugins=[MixedPrecision("16-mixed",
+    "cuda")]``: Lightning refuses ``precision="16-mixed"`` for a ``ModelParallelStrategy``) (at stage 3 mapped onto
     FSDP2's ``MixedPrecisionPolicy``: 16-bit compute, fp32 gradient reduction and fp32 sharded parameters; at
     stages 1 and 2 the ZeRO paper's layout: 16-bit replicated parameters and gradient buckets, reduced in 16
     bits, fp32 master slices in the sharded optimizer state, autocast as with DDP; fp16 with dynamic loss

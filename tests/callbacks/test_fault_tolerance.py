@@ -130,7 +130,8 @@ def test_lightning_fsdp_sharded_checkpoints_are_committed_and_resume(tmp_path):
         model = CharGPT(block_size=32, n_layer=2, n_head=2, n_embd=32)
         trainer = L.Trainer(
             accelerator="cuda", devices=1, strategy=FSDPStrategy(state_dict_type="sharded"), max_steps=max_steps,
-            deterministic="warn", limit_val_batches=0, logger=False, enable_progress_bar=False, enable_model_summary=False,
+            deterministic="warn", limit_val_batches=0, logger=False, enable_progress_bar=False,
+            enable_model_summary=False,
             callbacks=[FaultTolerance(), ModelCheckpoint(dirpath=folder, every_n_train_steps=3, save_last=True)],
         )  # fmt: skip
         trainer.fit(model, datamodule=ShakespeareDataModule(block_size=32, batch_size=8, subset=96),
