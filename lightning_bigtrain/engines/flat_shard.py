@@ -459,7 +459,10 @@ class FlatShardedOptimizer(torch.optim.Optimizer):
         try:
             yield
         finally:
-            for group, shards in zip(groups, self._shards, strict=True):
+            # The inner optimizer's current groups: a `load_state_dict` inside the context replaced them (with copies
+            # holding the masters), and the visible groups must be the 16-bit slices again (what the loss scaler
+            # unscales and clipping measures; after a resume the first step saw fp32 masters without gradients).
+            for group, shards in zip(self.inner.param_groups, self._shards, strict=True):
                 group["params"] = shards
             for _, shard, master in self._pairs:
                 if master is not shard:
