@@ -2,11 +2,13 @@
 
 >>> from lightning_bigtrain.compression import PowerSGD, TopK
 >>> strategy = CompressedDDPStrategy(compression=PowerSGD(rank=4))  # doctest: +SKIP
+>>> strategy = CompressedDDPStrategy(compression=OneBitAdam(warmup_steps=0.15))  # 1-bit Adam  # doctest: +SKIP
 
 See :mod:`lightning_bigtrain.functional.compression` for the methods, their papers and byte formulas.
 """
 
 from lightning_bigtrain.engines.compression import GradientCompression
+from lightning_bigtrain.engines.onebit_adam import CompressedMomentumAdam, OneBitAdam
 from lightning_bigtrain.functional.compression import (
     COMPRESSION_NAMES,
     COMPRESSORS,
@@ -22,9 +24,11 @@ __all__ = [
     "COMPRESSION_NAMES",
     "COMPRESSORS",
     "Cast",
+    "CompressedMomentumAdam",
     "Compressor",
     "GradientCompression",
     "OneBit",
+    "OneBitAdam",
     "PowerSGD",
     "Quantize",
     "TopK",

@@ -5,13 +5,17 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import lightning.pytorch as L
 import torch
 import torch.distributed
+from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_bigtrain.engines.compression import GradientCompression
+from lightning_bigtrain.engines.onebit_adam import CompressedMomentumAdam, OneBitAdam, phase_hook
 from lightning_bigtrain.functional.compression import COMPRESSION_NAMES, Compressor
 from lightning_bigtrain.strategies._compression import (
     CHECKPOINT_KEY,
@@ -26,7 +30,8 @@ if TYPE_CHECKING:
 
 __all__ = ["CompressedDDPStrategy"]
 
-_REGISTERED = {f"bigtrain_ddp_{name}": name for name in COMPRESSION_NAMES}
+_REGISTERED: dict[str, Any] = {f"bigtrain_ddp_{name}": name for name in COMPRESSION_NAMES}
+_REGISTERED_MOMENTUM = {"bigtrain_ddp_onebit_adam": OneBitAdam}
 _OWN_HOOK_ARGS = ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper", "model_averaging_period")
 
 
@@ -65,24 +70,37 @@ class CompressedDDPStrategy(FaultTolerantStrategyMixin, DDPStrategy):
     Acts in: ``configure_ddp`` (hook registration), ``optimizer_step`` (step count, logging),
     ``save_checkpoint`` / ``load_checkpoint`` (compression state), ``teardown``.
 
+    With ``compression=OneBitAdam(...)`` it is 1-bit Adam instead (Tang et al., 2021;
+    :mod:`lightning_bigtrain.engines.onebit_adam`): the module's ``Adam`` / ``AdamW`` is stepped as
+    :class:`~lightning_bigtrain.engines.onebit_adam.CompressedMomentumAdam` (same parameter groups), gradients are
+    all-reduced densely for the warm-up, then not at all: the momentum is exchanged compressed with error feedback
+    and the variance stays frozen. Registered as ``bigtrain_ddp_onebit_adam``. ``"16-mixed"`` is refused (a
+    per-rank overflow would split the ranks' steps); ``"bf16-mixed"`` and fp32 run.
+
     Args:
         compression: A compressor (``PowerSGD(rank=4)``, ``TopK(0.01)``, ``OneBit()``, ``Quantize(8)``,
             ``Cast("fp16")``, ...) or one of the names ``"powersgd"``, ``"topk"``, ``"onebit"``,
-            ``"int8"``, ``"int4"``, ``"fp16"``, ``"bf16"``.
+            ``"int8"``, ``"int4"``, ``"fp16"``, ``"bf16"``; or ``OneBitAdam(...)`` (compressed momentum).
         **kwargs: Passed to Lightning's ``DDPStrategy`` (``start_method``, ``process_group_backend``,
             ``find_unused_parameters``, ...), except its comm-hook arguments, which this strategy owns.
     """
 
     strategy_name = "bigtrain_ddp_compressed"
 
-    def __init__(self, compression: Compressor | str = "powersgd", **kwargs: Any) -> None:
+    def __init__(self, compression: Compressor | OneBitAdam | str = "powersgd", **kwargs: Any) -> None:
         given = [k for k in _OWN_HOOK_ARGS if kwargs.get(k) is not None]
         if given:
             raise ValueError(
                 f"`CompressedDDPStrategy(..., {given[0]}=...)` is not supported: the strategy registers its "
                 "own communication hook. Use `DDPStrategy` for a custom hook."
             )
-        compressor = resolve_compression(compression, "CompressedDDPStrategy")
+        if compression == "onebit_adam":
+            compression = OneBitAdam()
+        self.momentum = compression if isinstance(compression, OneBitAdam) else None
+        self._optimizer_ref: list[CompressedMomentumAdam | None] = [None]
+        compressor = resolve_compression(
+            compression.compressor if isinstance(compression, OneBitAdam) else compression, "CompressedDDPStrategy"
+        )
         if compressor is None:
             raise ValueError(
                 '`CompressedDDPStrategy(compression=None)`: pass a compressor; for dense gradients use strategy="ddp".'
@@ -103,6 +121,13 @@ class CompressedDDPStrategy(FaultTolerantStrategyMixin, DDPStrategy):
                 override=True,
                 compression=compression,
             )
+        strategy_registry.register(
+            "bigtrain_ddp_onebit_adam",
+            cls,
+            description="lightning_bigtrain DDP with 1-bit Adam (frozen variance, compressed momentum)",
+            override=True,
+            compression="onebit_adam",
+        )
 
     @property
     def compression_engine(self) -> GradientCompression | None:
@@ -121,8 +146,38 @@ class CompressedDDPStrategy(FaultTolerantStrategyMixin, DDPStrategy):
         if not compression_applies(self.compression, self.model.module, self.world_size, "CompressedDDPStrategy"):
             return  # dense DDP, with the reason warned
         engine = GradientCompression(self.compression, self.model.module)
-        self.model.register_comm_hook(engine, _compressed_hook)
+        if self.momentum is not None:
+            self.model.register_comm_hook(self._optimizer_ref, phase_hook)
+        else:
+            self.model.register_comm_hook(engine, _compressed_hook)
         self._support.attach(engine, self.global_rank)
+
+    @override
+    def setup(self, trainer: L.Trainer) -> None:
+        super().setup(trainer)
+        engine = self._support.engine
+        if self.momentum is None or engine is None or trainer.state.fn != TrainerFn.FITTING:
+            return
+        plugin = self.precision_plugin
+        if isinstance(plugin, MixedPrecision) and plugin.precision == "16-mixed":
+            raise ValueError(
+                "`CompressedDDPStrategy(compression=OneBitAdam(...))` does not run under fp16 mixed precision: "
+                "after the warm-up each rank steps on its own gradients, and an overflow on one rank only would "
+                "skip the step there alone. Use precision='bf16-mixed' or '32-true'."
+            )
+        if len(self.optimizers) != 1:
+            raise ValueError(
+                f"`CompressedDDPStrategy(compression=OneBitAdam(...))` steps one Adam/AdamW; configure_optimizers "
+                f"returned {len(self.optimizers)} optimizers."
+            )
+        (optimizer,) = self.optimizers
+        warmup = self.momentum.resolve_warmup(trainer.estimated_stepping_batches)
+        wrapped = CompressedMomentumAdam.from_optimizer(optimizer, engine, warmup)
+        for config in self.lr_scheduler_configs:
+            if getattr(config.scheduler, "optimizer", None) is optimizer:
+                config.scheduler.optimizer = wrapped
+        self.optimizers = [wrapped]
+        self._optimizer_ref[0] = wrapped
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
