@@ -56,6 +56,7 @@ METHODS: dict[str, str] = {
     "onebit_noef": "ours OneBit(), no error feedback",
     "powersgd_warm": "ours PowerSGD(rank=4), first 10 steps dense",
     "topk_warm": "ours TopK(0.01), first 10 steps dense",
+    "onebit_adam": "ours OneBitAdam(): 1-bit Adam, first 15% of steps dense, then compressed momentum",
 }
 
 
@@ -82,6 +83,10 @@ def _strategy(method: str) -> Any:
         return DDPStrategy(start_method="popen")
     if method.startswith("torch_"):
         return _TorchHookDDP(method)
+    if method == "onebit_adam":
+        from lightning_bigtrain.compression import OneBitAdam
+
+        return CompressedDDPStrategy(OneBitAdam())
     return CompressedDDPStrategy(_compressor(method))
 
 
@@ -138,8 +143,13 @@ def worker(mode: str, method: str, model: str, steps: int, warmup: int, seed: in
     times: list[float] = []
     marks: dict[str, Any] = {}
 
+    cumulative: list[tuple[float, float]] = []  # (sent, dense) bytes before each step
+
     class Clock(L.Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            engine = getattr(trainer.strategy, "compression_engine", None)
+            if engine is not None:
+                cumulative.append((engine.sent_bytes, engine.dense_bytes))
             if trainer.global_step == warmup:
                 marks["tx"] = _tx_bytes(iface)
                 engine = getattr(trainer.strategy, "compression_engine", None)
@@ -170,6 +180,14 @@ def worker(mode: str, method: str, model: str, steps: int, warmup: int, seed: in
     if engine is not None and marks.get("sent") is not None:
         result["counted_bytes_per_step"] = (engine.sent_bytes - marks["sent"]) / timed
         result["counted_dense_bytes_per_step"] = (engine.dense_bytes - marks["dense"]) / timed
+    if engine is not None:
+        result["run_sent_bytes"], result["run_dense_bytes"] = engine.sent_bytes, engine.dense_bytes
+        phase = getattr(trainer.optimizers[0], "warmup_steps", None)  # OneBitAdam: where the compressed phase starts
+        if phase is not None and phase < len(cumulative):
+            sent0, dense0 = cumulative[phase]
+            result["momentum_warmup_steps"] = phase
+            result["compressed_phase_sent_bytes"] = engine.sent_bytes - sent0
+            result["compressed_phase_dense_bytes"] = engine.dense_bytes - dense0
     if mode == "quality":
         if model == "gpt":
             metrics = trainer.validate(module, datamodule=data, verbose=False)
@@ -178,7 +196,7 @@ def worker(mode: str, method: str, model: str, steps: int, warmup: int, seed: in
             metrics = trainer.test(module, datamodule=data, verbose=False)
             result["test_acc"] = metrics[0]["test_acc"]
     result["params"] = sum(p.numel() for p in module.parameters())
-    if method not in ("fp32",) and not method.startswith("torch_"):
+    if method not in ("fp32", "onebit_adam") and not method.startswith("torch_"):
         result["analytic_ratio"] = _analytic_ratio(module, _compressor(method))
     if trainer.is_global_zero:
         Path(out).write_text(json.dumps(result))
@@ -455,7 +473,8 @@ SHORT = {"fp32": "fp32 DDP", "torch_fp16": "torch fp16 hook", "torch_powersgd": 
          "fp16": "Cast(fp16)", "powersgd": "PowerSGD(4)", "topk": "TopK(0.01)", "onebit": "OneBit",
          "int8": "Quantize(8)", "int4": "Quantize(4)", "powersgd_noef": "PowerSGD(4), no EF",
          "topk_noef": "TopK(0.01), no EF", "onebit_noef": "OneBit, no EF",
-         "powersgd_warm": "PowerSGD(4), dense warm-up", "topk_warm": "TopK(0.01), dense warm-up"}  # fmt: skip
+         "powersgd_warm": "PowerSGD(4), dense warm-up", "topk_warm": "TopK(0.01), dense warm-up",
+         "onebit_adam": "OneBitAdam"}  # fmt: skip
 
 
 def _label(results: dict[str, Any], method: str) -> str:

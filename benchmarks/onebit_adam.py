@@ -1,0 +1,116 @@
+"""1-bit Adam (``CompressedDDPStrategy(compression=OneBitAdam())``) against dense fp32 AdamW DDP, in the same run.
+
+    python -m benchmarks.onebit_adam [--seeds 3] [--quick] [--results-dir DIR]
+
+The protocol of ``benchmarks/compression.py``'s quality runs (its worker runs each configuration): 2 ranks over
+loopback, the GPT's validation loss after 100 steps and the CNN's test accuracy after 150, the same seeds for both
+methods. Per run it records the bytes this rank sent and what an fp32 all-reduce of the same gradients would have
+sent, over the whole run (the dense warm-up included) and over the compressed phase alone, as counted by the
+strategy.
+
+Quality target (issue 21): GPT validation loss within 2% of dense fp32, CNN accuracy within 0.5 points, with at
+least 16x fewer bytes in the compressed phase and 5x over the whole run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import RESULTS_DIR, command_line, machine_info, print_table, run_worker, write_results
+
+METHODS = ("fp32", "onebit_adam")
+
+
+def _args(method: str, model: str, steps: int, seed: int, quick: bool) -> list[str]:
+    return ["--worker", "quality", "--method", method, "--model", model, "--steps", str(steps), "--warmup", "2",
+            "--seed", str(seed), *(["--quick"] if quick else [])]  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seeds", type=int, default=3, help="seeds per model and method (default 3)")
+    parser.add_argument("--quick", action="store_true", help="a small GPT and few steps (a smoke run)")
+    parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
+    args = parser.parse_args(argv)
+    budgets = {"gpt": 12 if args.quick else 100, "cnn": 20 if args.quick else 150}
+    seeds = list(range(1 if args.quick else args.seeds))
+    figures: dict[str, Any] = {}
+    rows = []
+    for model, steps in budgets.items():
+        per_method: dict[str, Any] = {}
+        for method in METHODS:
+            runs = [
+                run_worker("benchmarks.compression", _args(method, model, steps, seed, args.quick)) for seed in seeds
+            ]
+            values = [r["val_loss" if model == "gpt" else "test_acc"] for r in runs]
+            entry: dict[str, Any] = {"values": values, "mean": statistics.fmean(values)}
+            if method == "onebit_adam":
+                entry["warmup_steps"] = runs[0]["momentum_warmup_steps"]
+                entry["whole_run_ratio"] = statistics.fmean(r["run_dense_bytes"] / r["run_sent_bytes"] for r in runs)
+                entry["compressed_phase_ratio"] = statistics.fmean(
+                    r["compressed_phase_dense_bytes"] / r["compressed_phase_sent_bytes"] for r in runs
+                )
+            per_method[method] = entry
+            print(f"{model} {method}: {values}", flush=True)
+        dense, ours = per_method["fp32"], per_method["onebit_adam"]
+        gap = ours["mean"] / dense["mean"] - 1 if model == "gpt" else 100 * (ours["mean"] - dense["mean"])
+        figures[model] = {"steps": steps, "seeds": seeds, "methods": per_method, "gap": gap}
+        rows.append({
+            "model": model, "metric": "val loss" if model == "gpt" else "test acc", "steps": steps,
+            "fp32": dense["mean"], "OneBitAdam": ours["mean"],
+            "vs fp32": f"{100 * gap:+.2f}%" if model == "gpt" else f"{gap:+.2f} pts",
+            "bytes compressed phase": ours["compressed_phase_ratio"], "bytes whole run": ours["whole_run_ratio"],
+        })  # fmt: skip
+    print("\n1-bit Adam against dense fp32 AdamW (loopback, 2 ranks)")
+    figures["table"] = print_table(rows, list(rows[0]))
+    payload = {"config": {"quick": args.quick, "budgets": budgets, "seeds": seeds}, "machine": machine_info(),
+               "figures": figures}  # fmt: skip
+    gpt, cnn = figures["gpt"], figures["cnn"]
+    headline = (f"GPT val loss {100 * gpt['gap']:+.2f}%, CNN {cnn['gap']:+.2f} pts; bytes "
+                f"{gpt['methods']['onebit_adam']['compressed_phase_ratio']:.1f}x fewer compressed, "
+                f"{gpt['methods']['onebit_adam']['whole_run_ratio']:.1f}x over the run")  # fmt: skip
+    path = write_results("onebit_adam", payload, headline, args.results_dir,
+                         command=command_line("benchmarks.onebit_adam", argv))  # fmt: skip
+    print(f"wrote {path}")
+    return figures
+
+
+def render_block(results_dir: Path = RESULTS_DIR) -> str:
+    """The ``onebit-adam`` block (docs/compression.md), from ``results/onebit_adam.json``."""
+    from benchmarks.common import load_results, measured_line, sig
+
+    results = load_results(results_dir, "onebit_adam.json")
+    f = results["figures"]
+    lines = [
+        measured_line(results, "onebit_adam.json", results_dir),
+        "",
+        "Over loopback (both ranks on one host), the same seeds for both; `OneBitAdam()` (dense for the first 15% of "
+        "the steps, then 1-bit momentum with error feedback) against dense fp32 AdamW DDP after the same number of "
+        "steps. Bytes: what an fp32 all-reduce of the gradients would send over what this rank sent, counted by the "
+        "strategy.",
+        "",
+        "| model, metric | steps, seeds | dense fp32 | OneBitAdam | vs dense | bytes fewer, compressed phase | bytes "
+        "fewer, whole run |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for model in ("gpt", "cnn"):
+        q = f[model]
+        ours, dense = q["methods"]["onebit_adam"], q["methods"]["fp32"]
+        gpt = model == "gpt"
+        gap = f"{100 * q['gap']:+.2f}%" if gpt else f"{q['gap']:+.2f} pts"
+        value = (lambda v: sig(v)) if gpt else (lambda v: f"{100 * v:.2f}%")
+        seeds = f"{len(q['seeds'])} seed" + ("s" if len(q["seeds"]) > 1 else "")
+        lines.append(
+            f"| {'char-GPT, val loss' if gpt else 'CNN, test accuracy'} | {q['steps']}, {seeds} | "
+            f"{value(dense['mean'])} | {value(ours['mean'])} | {gap} | {ours['compressed_phase_ratio']:.1f}x | "
+            f"{ours['whole_run_ratio']:.1f}x |"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
