@@ -204,9 +204,9 @@ class CompressedMomentumAdam(torch.optim.Optimizer):
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:
-                state = self.state.get(p)
-                if not state:
+                if not self.state.get(p):
                     continue
+                state = self.state[p]
                 if group["weight_decay"] and self.decoupled:
                     p.mul_(1 - group["lr"] * group["weight_decay"])
                 # As torch's Adam writes it (the warm-up then rounds as torch.optim.AdamW does).
