@@ -57,6 +57,8 @@ METHODS: dict[str, str] = {
     "powersgd_warm": "ours PowerSGD(rank=4), first 10 steps dense",
     "topk_warm": "ours TopK(0.01), first 10 steps dense",
     "onebit_adam": "ours OneBitAdam(): 1-bit Adam, first 15% of steps dense, then compressed momentum",
+    "onebit_adam_block": "ours OneBitAdam(compressor=OneBit(block=256)): one scale per 256 values",
+    "onebit_adam_q8": "ours OneBitAdam(compressor=Quantize(8), error feedback): the frozen variance alone",
 }
 
 
@@ -83,10 +85,12 @@ def _strategy(method: str) -> Any:
         return DDPStrategy(start_method="popen")
     if method.startswith("torch_"):
         return _TorchHookDDP(method)
-    if method == "onebit_adam":
-        from lightning_bigtrain.compression import OneBitAdam
+    if method.startswith("onebit_adam"):
+        from lightning_bigtrain.compression import OneBit, OneBitAdam, Quantize
 
-        return CompressedDDPStrategy(OneBitAdam())
+        momentum = {"onebit_adam": OneBit(), "onebit_adam_block": OneBit(block=256),
+                    "onebit_adam_q8": Quantize(8, error_feedback=True)}[method]  # fmt: skip
+        return CompressedDDPStrategy(OneBitAdam(compressor=momentum))
     return CompressedDDPStrategy(_compressor(method))
 
 
@@ -196,7 +200,7 @@ def worker(mode: str, method: str, model: str, steps: int, warmup: int, seed: in
             metrics = trainer.test(module, datamodule=data, verbose=False)
             result["test_acc"] = metrics[0]["test_acc"]
     result["params"] = sum(p.numel() for p in module.parameters())
-    if method not in ("fp32", "onebit_adam") and not method.startswith("torch_"):
+    if method != "fp32" and not method.startswith(("torch_", "onebit_adam")):
         result["analytic_ratio"] = _analytic_ratio(module, _compressor(method))
     if trainer.is_global_zero:
         Path(out).write_text(json.dumps(result))
@@ -474,7 +478,8 @@ SHORT = {"fp32": "fp32 DDP", "torch_fp16": "torch fp16 hook", "torch_powersgd": 
          "int8": "Quantize(8)", "int4": "Quantize(4)", "powersgd_noef": "PowerSGD(4), no EF",
          "topk_noef": "TopK(0.01), no EF", "onebit_noef": "OneBit, no EF",
          "powersgd_warm": "PowerSGD(4), dense warm-up", "topk_warm": "TopK(0.01), dense warm-up",
-         "onebit_adam": "OneBitAdam"}  # fmt: skip
+         "onebit_adam": "OneBitAdam", "onebit_adam_block": "OneBitAdam, OneBit(block=256)",
+         "onebit_adam_q8": "OneBitAdam, Quantize(8)"}  # fmt: skip
 
 
 def _label(results: dict[str, Any], method: str) -> str:

@@ -56,6 +56,26 @@ def test_onebit_message_is_signs_times_mean_magnitude():
     torch.testing.assert_close(out, decoded)  # x - (x - s) equals s up to rounding
 
 
+def test_onebit_blocks_carry_one_mean_magnitude_each():
+    """``OneBit(block=4)``: each block of 4 (the last one of 1) is sent as signs times its own mean magnitude."""
+    x = torch.tensor([1.0, -3.0, 2.0, -2.0, 0.5, 0.5, -1.0, 4.0, 2.0])
+    c = OneBit(block=4)
+    payload, residual = c.encode(x.clone(), None)
+    assert payload.numel() == c.payload_nbytes(9, 4) == 4 * 3 + 2
+    scales = torch.tensor([2.0] * 4 + [1.5] * 4 + [2.0])
+    assert torch.allclose(x - residual, torch.where(x >= 0, scales, -scales))
+    out = torch.zeros(9)
+    c.decode_add_(payload, out)
+    torch.testing.assert_close(out, x - residual)
+    # Magnitudes that vary within a tensor: closer than one scale for all, for 32 / block more bits per value.
+    y = torch.randn(4096, generator=torch.Generator().manual_seed(0)) * torch.linspace(0.01, 3.0, 4096)
+    errors = [float(c.encode(y.clone(), None)[1].norm()) for c in (OneBit(), OneBit(block=256))]
+    assert errors[1] < 0.9 * errors[0]
+    assert repr(OneBit()) == "OneBit(error_feedback=True, min_compress_numel=0, warmup_steps=0)"  # checkpoints
+    with pytest.raises(ValueError, match="block"):
+        OneBit(block=1)
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 def test_quantize_is_unbiased_and_decodes_what_it_reports(bits):
     c = Quantize(bits, block=64)
