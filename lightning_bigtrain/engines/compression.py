@@ -142,6 +142,17 @@ class GradientCompression:
             offset = start + p.numel()
         return out
 
+    def tensor_segments(self, tensors: list[torch.Tensor], params: list[torch.Tensor]) -> list[_Segment]:
+        """Describe tensors that are not laid out in one buffer (each contiguous, shaped like its parameter in
+        ``params``): the exchange averages each in place, with the parameter's error-feedback state."""
+        out = []
+        for i, (t, p) in enumerate(zip(tensors, params, strict=True)):
+            if not t.is_contiguous() or t.shape != p.shape:
+                raise ValueError("tensor_segments needs contiguous tensors shaped like their parameters")
+            name, index = self._names.get(id(p), (f"<unnamed {i}>", -1 - i))
+            out.append(_Segment(name, index, p.shape, t.view(-1)))
+        return out
+
     def exchange_now(self, segments: list[_Segment]) -> None:
         """Average the segments' gradients over the ranks, in place (blocking)."""
         c = self.compressor

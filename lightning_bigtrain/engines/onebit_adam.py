@@ -120,8 +120,7 @@ class CompressedMomentumAdam(torch.optim.Optimizer):
         self.engine = engine
         self.warmup_steps = int(warmup_steps)
         self.decoupled = decoupled
-        self.steps = 0  # optimizer steps taken (the phase); in state_dict as a group entry
-        self._flat: torch.Tensor | None = None
+        self.steps = 0  # optimizer steps taken (the phase); in state_dict
 
     @classmethod
     def from_optimizer(
@@ -168,8 +167,8 @@ class CompressedMomentumAdam(torch.optim.Optimizer):
         state = self.state[p]
         if not state:
             state["step"] = 0
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)  # averaged in place
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
             state["frozen_step"] = 1  # a parameter first seen after the warm-up has no variance (v = 0)
         return state
 
@@ -219,19 +218,10 @@ class CompressedMomentumAdam(torch.optim.Optimizer):
         return loss
 
     def _average_momentum(self) -> None:
+        """Every rank's momentum replaced by the ranks' compressed average, in place (no copy of the momenta)."""
         params = [p for p in self._params() if self.state.get(p)]
-        total = sum(p.numel() for p in params)
-        if self._flat is None or self._flat.numel() != total:
-            self._flat = torch.empty(total, dtype=torch.float32, device=params[0].device)
-        flat, offset = self._flat, 0
-        for p in params:
-            flat[offset : offset + p.numel()].copy_(self.state[p]["exp_avg"].reshape(-1))
-            offset += p.numel()
-        self.engine.exchange_now(self.engine.segments(flat, params))
-        offset = 0
-        for p in params:
-            self.state[p]["exp_avg"].copy_(flat[offset : offset + p.numel()].view_as(p))
-            offset += p.numel()
+        momenta = [self.state[p]["exp_avg"] for p in params]
+        self.engine.exchange_now(self.engine.tensor_segments(momenta, params))
 
     def state_dict(self) -> dict[str, Any]:
         out = super().state_dict()
