@@ -121,7 +121,7 @@ def fits(budget_text: str, steps: int, results_dir: Path, argv: list[str] | None
         for c, f in figures.items()
     )
     payload = {"config": {"size": "fits", "layers_width": SIZES["fits"], "steps": steps, "world_size": 2,
-                          "budget_bytes": budget, "budget": budget_text},
+                          "budget_bytes": budget, "budget": budget_text, "batch": [BATCH_SIZE, BLOCK_SIZE]},
                "figures": figures, "table": table}  # fmt: skip
     path = write_results("zero_fits", payload, headline, results_dir,
                          command=command_line("benchmarks.zero_memory", argv))  # fmt: skip
@@ -230,12 +230,14 @@ def render_fits_block(results_dir: Path = RESULTS_DIR) -> str:
 
     results = load_results(results_dir, "zero_fits.json")
     f, cfg = results["figures"], results["config"]
+    # The batch the run used; files written before it was recorded ran the module's constants then (e2e62c0).
+    batch = "x".join(str(v) for v in cfg.get("batch", (BATCH_SIZE, BLOCK_SIZE)))
     psi = next(iter(f.values()))["psi"]
     gib = 2**30
     lines = [
         measured_line(results, "zero_fits.json", results_dir),
         "",
-        f"Char-GPT of {sig(psi / 1e6)}M parameters, AdamW, batch {BATCH_SIZE}x{BLOCK_SIZE}, 2 CPU ranks over gloo, "
+        f"Char-GPT of {sig(psi / 1e6)}M parameters, AdamW, batch {batch}, 2 CPU ranks over gloo, "
         f"{cfg['steps']} steps; budget {sig(cfg['budget_bytes'] / gib)} GiB per process. Predicted: the planner's "
         "peak for this model and batch plus the runtime's footprint (the same strategy's peak RSS on a tiny model); "
         "only configurations predicted to fit are run.",
