@@ -156,7 +156,6 @@ def worker(mode: str, method: str, model: str, steps: int, warmup: int, seed: in
                 cumulative.append((engine.sent_bytes, engine.dense_bytes))
             if trainer.global_step == warmup:
                 marks["tx"] = _tx_bytes(iface)
-                engine = getattr(trainer.strategy, "compression_engine", None)
                 marks["sent"] = engine.sent_bytes if engine is not None else None
                 marks["dense"] = engine.dense_bytes if engine is not None else None
             self.t0 = time.perf_counter()

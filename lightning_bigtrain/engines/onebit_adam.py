@@ -229,9 +229,10 @@ class CompressedMomentumAdam(torch.optim.Optimizer):
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        own = dict(state_dict).pop("bigtrain_onebit_adam", None)
+        state_dict = dict(state_dict)
+        own = state_dict.pop("bigtrain_onebit_adam", None)
         groups = self.param_groups
-        super().load_state_dict({k: v for k, v in state_dict.items() if k != "bigtrain_onebit_adam"})
+        super().load_state_dict(state_dict)
         # Keep sharing the module optimizer's group dicts (schedulers hold them); take the loaded values.
         for shared, loaded in zip(groups, self.param_groups, strict=True):
             shared.update({k: v for k, v in loaded.items() if k != "params"})

@@ -33,7 +33,9 @@ def resolve_compression(value: Compressor | str | None, owner: str) -> Compresso
     )
 
 
-def compression_applies(compressor: Compressor, module: torch.nn.Module, world_size: int, owner: str) -> bool:
+def compression_applies(
+    compressor: Compressor, module: torch.nn.Module, world_size: int, owner: str, shown: object = None
+) -> bool:
     """Whether ``compressor`` can act in this run; if not, warn (:class:`NoEffectWarning`) and say why.
 
     It cannot with a single process (nothing is exchanged; compressing would only add error), nor as a
@@ -42,8 +44,9 @@ def compression_applies(compressor: Compressor, module: torch.nn.Module, world_s
     or mantissa. In both cases the strategy exchanges gradients as it would without compression.
     """
     if world_size < 2:
+        what = compressor if shown is None else shown  # what the user passed (a OneBitAdam names itself)
         warn_once(
-            f"`{owner}(compression={compressor!r})` has no effect in a single process: no gradients are "
+            f"`{owner}(compression={what!r})` has no effect in a single process: no gradients are "
             "exchanged, so none are compressed. It acts with devices * num_nodes >= 2.",
             NoEffectWarning,
         )

@@ -30,8 +30,7 @@ if TYPE_CHECKING:
 
 __all__ = ["CompressedDDPStrategy"]
 
-_REGISTERED: dict[str, Any] = {f"bigtrain_ddp_{name}": name for name in COMPRESSION_NAMES}
-_REGISTERED_MOMENTUM = {"bigtrain_ddp_onebit_adam": OneBitAdam}
+_REGISTERED = {f"bigtrain_ddp_{name}": name for name in COMPRESSION_NAMES}
 _OWN_HOOK_ARGS = ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper", "model_averaging_period")
 
 
@@ -143,7 +142,9 @@ class CompressedDDPStrategy(FaultTolerantStrategyMixin, DDPStrategy):
     @override
     def _register_ddp_hooks(self) -> None:
         assert isinstance(self.model, DistributedDataParallel)
-        if not compression_applies(self.compression, self.model.module, self.world_size, "CompressedDDPStrategy"):
+        shown = self.momentum if self.momentum is not None else self.compression  # what the user passed
+        if not compression_applies(self.compression, self.model.module, self.world_size, "CompressedDDPStrategy",
+                                   shown=shown):  # fmt: skip
             return  # dense DDP, with the reason warned
         engine = GradientCompression(self.compression, self.model.module)
         if self.momentum is not None:

@@ -146,6 +146,30 @@ def test_what_it_cannot_run_is_refused_at_setup_naming_the_fix():
     assert "Use precision='bf16-mixed'" in run_on_ranks(_refused, "fp16", init_process_group=False)[0]
 
 
+def _single_process(rank: int) -> dict[str, Any]:
+    import warnings
+
+    from lightning_bigtrain.warnings import NoEffectWarning
+
+    L.seed_everything(0, verbose=False)
+    trainer = L.Trainer(strategy=CompressedDDPStrategy(OneBitAdam(warmup_steps=2), start_method="popen"), max_steps=3,
+                        enable_checkpointing=False, **{**_QUIET, "devices": 1})  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(_model(), datamodule=_data())
+    return {
+        "warned": [str(w.message) for w in caught if issubclass(w.category, NoEffectWarning)],
+        "optimizer": type(trainer.optimizers[0]).__name__,
+    }
+
+
+def test_a_single_process_warns_naming_onebitadam_and_steps_the_modules_own_optimizer():
+    r = run_on_ranks(_single_process, world_size=1, init_process_group=False)[0]
+    assert any(m.startswith("`CompressedDDPStrategy(compression=OneBitAdam(") and "single process" in m
+               for m in r["warned"]), r["warned"]  # fmt: skip
+    assert r["optimizer"] == "AdamW"
+
+
 def test_bad_arguments_are_refused_at_construction():
     with pytest.raises(ValueError, match="fraction of the run's steps"):
         OneBitAdam(warmup_steps=1.5)
