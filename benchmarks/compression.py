@@ -56,9 +56,10 @@ METHODS: dict[str, str] = {
     "onebit_noef": "ours OneBit(), no error feedback",
     "powersgd_warm": "ours PowerSGD(rank=4), first 10 steps dense",
     "topk_warm": "ours TopK(0.01), first 10 steps dense",
-    "onebit_adam": "ours OneBitAdam(): 1-bit Adam, first 15% of steps dense, then compressed momentum",
-    "onebit_adam_block": "ours OneBitAdam(compressor=OneBit(block=256)): one scale per 256 values",
-    "onebit_adam_q8": "ours OneBitAdam(compressor=Quantize(8), error feedback): the frozen variance alone",
+    "onebit_adam": "ours OneBitAdam(): first 15% of steps dense, then 1-bit momentum, variance refreshed every 8th",
+    "onebit_adam_frozen": "ours OneBitAdam(variance_refresh=None): the paper's 1-bit Adam, variance frozen",
+    "onebit_adam_block": "ours OneBitAdam(compressor=OneBit(block=256), variance_refresh=None): scale per 256",
+    "onebit_adam_q8": "ours OneBitAdam(compressor=Quantize(8), variance_refresh=None): the frozen variance alone",
 }
 
 
@@ -88,9 +89,14 @@ def _strategy(method: str) -> Any:
     if method.startswith("onebit_adam"):
         from lightning_bigtrain.compression import OneBit, OneBitAdam, Quantize
 
+        if method.startswith("onebit_adam_refresh"):  # onebit_adam_refresh<K>[_w<percent>]: refresh every K
+            every, _, warm = method.removeprefix("onebit_adam_refresh").partition("_w")
+            return CompressedDDPStrategy(OneBitAdam(warmup_steps=int(warm or 15) / 100, variance_refresh=int(every)))
+        if method == "onebit_adam_frozen":  # the paper's method: the variance frozen after the warm-up
+            return CompressedDDPStrategy(OneBitAdam(variance_refresh=None))
         momentum = {"onebit_adam": OneBit(), "onebit_adam_block": OneBit(block=256),
                     "onebit_adam_q8": Quantize(8, error_feedback=True)}[method]  # fmt: skip
-        return CompressedDDPStrategy(OneBitAdam(compressor=momentum))
+        return CompressedDDPStrategy(OneBitAdam(compressor=momentum, variance_refresh=None))
     return CompressedDDPStrategy(_compressor(method))
 
 
@@ -478,7 +484,7 @@ SHORT = {"fp32": "fp32 DDP", "torch_fp16": "torch fp16 hook", "torch_powersgd": 
          "topk_noef": "TopK(0.01), no EF", "onebit_noef": "OneBit, no EF",
          "powersgd_warm": "PowerSGD(4), dense warm-up", "topk_warm": "TopK(0.01), dense warm-up",
          "onebit_adam": "OneBitAdam", "onebit_adam_block": "OneBitAdam, OneBit(block=256)",
-         "onebit_adam_q8": "OneBitAdam, Quantize(8)"}  # fmt: skip
+         "onebit_adam_q8": "OneBitAdam, Quantize(8)", "onebit_adam_frozen": "OneBitAdam, frozen variance"}  # fmt: skip
 
 
 def _label(results: dict[str, Any], method: str) -> str:

@@ -23,9 +23,10 @@ from typing import Any
 from benchmarks.common import RESULTS_DIR, command_line, machine_info, print_table, run_worker, write_results
 
 METHODS = ("fp32", "onebit_adam")
-#: Ablations (``--methods``): the momentum compressed with one scale per 256 values, and nearly losslessly (8-bit
-#: stochastic rounding with error feedback), which leaves the frozen variance alone as the difference from Adam.
-ABLATIONS = ("onebit_adam_block", "onebit_adam_q8")
+#: Ablations (``--methods``), all with the paper's frozen variance (``variance_refresh=None``): as the paper, with the
+#: momentum compressed with one scale per 256 values, and nearly losslessly (8-bit stochastic rounding with error
+#: feedback), which leaves the frozen variance alone as the difference from Adam.
+ABLATIONS = ("onebit_adam_frozen", "onebit_adam_block", "onebit_adam_q8")
 
 
 def _args(method: str, model: str, steps: int, seed: int, quick: bool) -> list[str]:

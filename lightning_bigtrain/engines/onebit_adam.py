@@ -12,6 +12,17 @@ convergence is known, where compressing the gradient under a moving ``v`` is not
 Gradients are not exchanged at all after the warm-up (the strategy's DDP hook returns each rank's own gradient), so
 the bytes per step are the compressed momentum's: 32x fewer than an fp32 all-reduce at 2 ranks with ``OneBit``.
 
+A variance frozen for good is what the paper does, and it costs a short run its quality when the variance has not
+settled by the end of the warm-up (our char-GPT: AdamW betas (0.9, 0.95), a 20-step LR warm-up, frozen at step 15;
+``docs/compression.md`` has the ablation). 0/1 Adam (Lu et al., 2022, "Maximizing Communication Efficiency for
+Large-scale Training via 0/1 Adam") keeps updating the variance at sparse steps instead. Ours does that at a fixed
+interval (``variance_refresh``, default every 8th compressed-phase step): on a refresh step the ranks exchange their
+gradients with 8-bit stochastic rounding (unbiased, a quarter of fp32's bytes), and both the momentum and the
+variance are updated from that average as in a warm-up step; the variance's sample stands for the ``K`` steps since
+the last one, ``v <- beta2^K v + (1 - beta2^K) g^2``, so its time constant in steps stays Adam's. No momentum is
+exchanged on a refresh step (it is computed from the same averaged gradient on every rank). Bytes per compressed-
+phase step with ``OneBit`` at 2 ranks: ``((K - 1) / 32 + 1 / 3.94) / K`` of dense, 16.9x fewer at ``K = 8``.
+
 :class:`OneBitAdam` is the specification a user passes as ``CompressedDDPStrategy(compression=OneBitAdam(...))``;
 :class:`CompressedMomentumAdam` is the optimizer the strategy builds from the module's own ``Adam`` / ``AdamW`` (its
 parameter groups, learning rates, betas, eps and weight decay), so ``configure_optimizers`` and LR schedulers stay
@@ -41,14 +52,24 @@ class OneBitAdam:
     Args:
         warmup_steps: Optimizer steps of plain Adam over all-reduced fp32 gradients before the variance is frozen:
             an int, or a fraction in ``(0, 1)`` of the run's optimizer steps (``trainer.estimated_stepping_batches``).
-            The whole run's bytes are about ``f + (1 - f) / 32`` of dense with ``OneBit`` at 2 ranks, so ``0.15``
-            keeps over 5x fewer bytes over the run.
+            The whole run's bytes are about ``f + (1 - f) r`` of dense, ``r`` the compressed phase's share
+            (``1 / 32`` frozen, ``1 / 16.9`` refreshed every 8th step, with ``OneBit`` at 2 ranks), so ``0.15``
+            keeps 5x fewer bytes over the run.
         compressor: How the momentum is exchanged (with error feedback): ``OneBit()`` (the paper), or ``TopK``,
             ``PowerSGD``, ``Quantize``, or one of their names. Its own ``warmup_steps`` must be 0 (this warm-up
             is the one that counts).
+        variance_refresh: Every how many compressed-phase steps the variance is refreshed from 8-bit averaged
+            gradients (an int >= 2; the module docstring has the method), or ``None`` for the paper's variance
+            frozen after the warm-up. ``8`` keeps the compressed phase over 16x fewer bytes than fp32 with
+            ``OneBit`` (16.9x at 2 ranks).
     """
 
-    def __init__(self, warmup_steps: int | float = 0.15, compressor: Compressor | str = "onebit") -> None:
+    def __init__(
+        self,
+        warmup_steps: int | float = 0.15,
+        compressor: Compressor | str = "onebit",
+        variance_refresh: int | None = 8,
+    ) -> None:
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, (int, float)):
             raise TypeError(f"`OneBitAdam(warmup_steps={warmup_steps!r})`: pass an int or a fraction in (0, 1).")
         if isinstance(warmup_steps, float) and not 0.0 < warmup_steps < 1.0:
@@ -80,8 +101,16 @@ class OneBitAdam:
                 f"`OneBitAdam(compressor={compressor!r})` needs error feedback on the momentum (the method's "
                 "convergence rests on it): leave `error_feedback` at its default or set it True."
             )
+        if variance_refresh is not None and (
+            isinstance(variance_refresh, bool) or not isinstance(variance_refresh, int) or variance_refresh < 2
+        ):
+            raise ValueError(
+                f"`OneBitAdam(variance_refresh={variance_refresh!r})`: pass an int >= 2 (every how many compressed "
+                "steps the variance is refreshed from 8-bit averaged gradients), or None to keep it frozen."
+            )
         self.warmup_steps = warmup_steps
         self.compressor = compressor
+        self.variance_refresh = variance_refresh
 
     def resolve_warmup(self, total_steps: float) -> int:
         """The warm-up in optimizer steps for a run of ``total_steps`` (at least 1)."""
@@ -95,7 +124,10 @@ class OneBitAdam:
         return max(1, round(self.warmup_steps * total_steps))
 
     def __repr__(self) -> str:
-        return f"OneBitAdam(warmup_steps={self.warmup_steps!r}, compressor={self.compressor!r})"
+        return (
+            f"OneBitAdam(warmup_steps={self.warmup_steps!r}, compressor={self.compressor!r}, "
+            f"variance_refresh={self.variance_refresh!r})"
+        )
 
 
 class CompressedMomentumAdam(torch.optim.Optimizer):
@@ -114,17 +146,34 @@ class CompressedMomentumAdam(torch.optim.Optimizer):
     """
 
     def __init__(
-        self, params: Any, *, engine: GradientCompression, warmup_steps: int, decoupled: bool, **defaults: Any
+        self,
+        params: Any,
+        *,
+        engine: GradientCompression,
+        warmup_steps: int,
+        decoupled: bool,
+        refresh: GradientCompression | None = None,
+        refresh_every: int | None = None,
+        **defaults: Any,
     ) -> None:
         super().__init__(params, defaults)
+        if (refresh is None) != (refresh_every is None):
+            raise ValueError("CompressedMomentumAdam: pass both `refresh` and `refresh_every`, or neither.")
         self.engine = engine
         self.warmup_steps = int(warmup_steps)
         self.decoupled = decoupled
+        self.refresh = refresh
+        self.refresh_every = refresh_every
         self.steps = 0  # optimizer steps taken (the phase); in state_dict
 
     @classmethod
     def from_optimizer(
-        cls, optimizer: torch.optim.Optimizer, engine: GradientCompression, warmup_steps: int
+        cls,
+        optimizer: torch.optim.Optimizer,
+        engine: GradientCompression,
+        warmup_steps: int,
+        refresh: GradientCompression | None = None,
+        refresh_every: int | None = None,
     ) -> CompressedMomentumAdam:
         """The equivalent of ``optimizer`` (``Adam`` / ``AdamW``), sharing its parameter groups."""
         name = type(optimizer).__name__
@@ -147,6 +196,8 @@ class CompressedMomentumAdam(torch.optim.Optimizer):
             engine=engine,
             warmup_steps=warmup_steps,
             decoupled=decoupled,
+            refresh=refresh,
+            refresh_every=refresh_every,
             lr=first["lr"],
             betas=first["betas"],
             eps=first["eps"],
@@ -159,6 +210,14 @@ class CompressedMomentumAdam(torch.optim.Optimizer):
     def compressing(self) -> bool:
         """Whether this step exchanges the compressed momentum (else plain Adam on all-reduced gradients)."""
         return self.steps >= self.warmup_steps
+
+    @property
+    def refreshing(self) -> bool:
+        """Whether this compressed-phase step refreshes the variance (from 8-bit averaged gradients) instead of
+        exchanging the momentum."""
+        if not self.compressing or self.refresh_every is None:
+            return False
+        return (self.steps - self.warmup_steps + 1) % self.refresh_every == 0
 
     def _params(self) -> list[torch.Tensor]:
         return [p for g in self.param_groups for p in g["params"] if p.requires_grad]
@@ -178,26 +237,35 @@ class CompressedMomentumAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        compressing = self.compressing
-        # 1. Momentum (and, in the warm-up, variance) from this step's gradients: all-reduced in the warm-up,
-        #    this rank's own afterwards. Every parameter takes part after the warm-up (a missing gradient counts
-        #    as zero), so that every rank exchanges the same tensors.
+        compressing, refreshing = self.compressing, self.refreshing
+        grads = self._averaged_gradients() if refreshing else {}
+        span = self.refresh_every or 1
+        # 1. Momentum (and, in the warm-up or at a refresh, variance) from this step's gradients: all-reduced in
+        #    the warm-up, 8-bit averaged at a refresh, this rank's own otherwise. Every parameter takes part after
+        #    the warm-up (a missing gradient counts as zero), so that every rank exchanges the same tensors.
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:
                 if not p.requires_grad or (p.grad is None and not compressing):
                     continue
                 state = self._state(p)
-                grad = p.grad if p.grad is not None else torch.zeros_like(p)
+                grad = grads.get(p, p.grad)
+                if grad is None:
+                    grad = torch.zeros_like(p)
                 if group["weight_decay"] and not self.decoupled:
                     grad = grad.add(p, alpha=group["weight_decay"])
                 state["exp_avg"].lerp_(grad, 1 - beta1)
                 if not compressing:
                     state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
                     state["frozen_step"] = state["step"] + 1  # the variance's bias correction, kept when frozen
+                elif refreshing:
+                    # One sample stands for the `span` steps since the last one: weight it as their EMA would.
+                    keep = beta2**span
+                    state["exp_avg_sq"].mul_(keep).addcmul_(grad, grad, value=1 - keep)
+                    state["frozen_step"] += span
                 state["step"] += 1
-        # 2. After the warm-up: the ranks' momenta averaged, compressed with error feedback.
-        if compressing:
+        # 2. After the warm-up, but at a refresh: the ranks' momenta averaged, compressed with error feedback.
+        if compressing and not refreshing:
             self._average_momentum()
         # 3. The update: m_hat / (sqrt(v_hat) + eps), v_hat frozen after the warm-up.
         for group in self.param_groups:
@@ -223,9 +291,26 @@ class CompressedMomentumAdam(torch.optim.Optimizer):
         momenta = [self.state[p]["exp_avg"] for p in params]
         self.engine.exchange_now(self.engine.tensor_segments(momenta, params))
 
+    def _averaged_gradients(self) -> dict[torch.Tensor, torch.Tensor]:
+        """This step's gradients averaged over the ranks with 8-bit stochastic rounding (a refresh step; the DDP
+        hook left each rank its own). The bytes are counted on the momentum's engine."""
+        assert self.refresh is not None
+        params = [p for p in self._params() if self.state.get(p)]
+        grads = [p.grad.contiguous() if p.grad is not None else torch.zeros_like(p) for p in params]
+        sent, dense = self.refresh.sent_bytes, self.refresh.dense_bytes
+        self.refresh.exchange_now(self.refresh.tensor_segments(grads, params))
+        self.refresh.advance()
+        self.engine.sent_bytes += self.refresh.sent_bytes - sent
+        self.engine.dense_bytes += self.refresh.dense_bytes - dense
+        return dict(zip(params, grads, strict=True))
+
     def state_dict(self) -> dict[str, Any]:
         out = super().state_dict()
-        out["bigtrain_onebit_adam"] = {"steps": self.steps, "warmup_steps": self.warmup_steps}
+        out["bigtrain_onebit_adam"] = {
+            "steps": self.steps,
+            "warmup_steps": self.warmup_steps,
+            "refreshes": None if self.refresh is None else self.refresh.step,
+        }
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -239,6 +324,13 @@ class CompressedMomentumAdam(torch.optim.Optimizer):
         self.param_groups = groups
         if own is not None:
             self.steps = int(own["steps"])
+            if self.refresh is not None and own.get("refreshes") is not None:
+                self.refresh.step = int(own["refreshes"])
+
+
+# The step notes its own call for LR schedulers (`_opt_called`), which torch's schedulers would otherwise patch in
+# when built; a scheduler re-bound to this optimizer after it was built would warn that `step` was overridden.
+CompressedMomentumAdam.step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
 
 
 def phase_hook(optimizer_ref: list[CompressedMomentumAdam | None], bucket: Any) -> Any:

@@ -16,7 +16,7 @@ from typing_extensions import override
 
 from lightning_bigtrain.engines.compression import GradientCompression
 from lightning_bigtrain.engines.onebit_adam import CompressedMomentumAdam, OneBitAdam, phase_hook
-from lightning_bigtrain.functional.compression import COMPRESSION_NAMES, Compressor
+from lightning_bigtrain.functional.compression import COMPRESSION_NAMES, Compressor, Quantize
 from lightning_bigtrain.strategies._compression import (
     CHECKPOINT_KEY,
     CompressionSupport,
@@ -173,7 +173,10 @@ class CompressedDDPStrategy(FaultTolerantStrategyMixin, DDPStrategy):
             )
         (optimizer,) = self.optimizers
         warmup = self.momentum.resolve_warmup(trainer.estimated_stepping_batches)
-        wrapped = CompressedMomentumAdam.from_optimizer(optimizer, engine, warmup)
+        every = self.momentum.variance_refresh
+        assert isinstance(self.model, DistributedDataParallel)
+        refresh = None if every is None else GradientCompression(Quantize(8), self.model.module, seed=1)
+        wrapped = CompressedMomentumAdam.from_optimizer(optimizer, engine, warmup, refresh, every)
         for config in self.lr_scheduler_configs:
             if getattr(config.scheduler, "optimizer", None) is optimizer:
                 config.scheduler.optimizer = wrapped

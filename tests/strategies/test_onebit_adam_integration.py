@@ -5,6 +5,7 @@ setup."""
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any
 
 import lightning as L
@@ -57,13 +58,17 @@ def _run(rank: int, what: str, steps: int, folder: str | None = None) -> dict[st
         strategy: Any = "ddp"
     elif what == "topk":
         strategy = CompressedDDPStrategy(OneBitAdam(warmup_steps=4, compressor=TopK(0.05)))
+    elif what == "refresh":
+        strategy = CompressedDDPStrategy(OneBitAdam(warmup_steps=4, variance_refresh=3))
     else:
         strategy = CompressedDDPStrategy(OneBitAdam(warmup_steps=steps if what == "warm_only" else 4))
     track = _Track()
     trainer = L.Trainer(strategy=strategy, max_steps=steps, callbacks=[track], enable_checkpointing=False,
                         **_QUIET)  # fmt: skip
     model = _model()
-    trainer.fit(model, datamodule=_data())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, datamodule=_data())
     weights = _weights(model)
     gathered = [torch.empty_like(weights) for _ in range(2)]
     torch.distributed.all_gather(gathered, weights)
@@ -76,6 +81,7 @@ def _run(rank: int, what: str, steps: int, folder: str | None = None) -> dict[st
         "optimizer": type(optimizer).__name__,
         "shares_groups": optimizer.param_groups[0]["lr"] == trainer.lr_scheduler_configs[0].scheduler.get_last_lr()[0],
         "dense_per_step": 2 * 0.5 * 4 * sum(p.numel() for p in model.parameters()),  # ring all-reduce at 2 ranks
+        "scheduler_warned": [str(w.message) for w in caught if "learning rate scheduler" in str(w.message)],
     }
 
 
@@ -91,6 +97,7 @@ def test_the_warm_up_is_adamw_and_the_compressed_phase_sends_a_thirty_second():
 
     for r in run_on_ranks(_run, "onebit", 12, init_process_group=False):
         assert r["replicas_equal"] and r["shares_groups"]
+        assert not r["scheduler_warned"]  # the scheduler re-bound to the replacement sees its steps
         per_step = [b - a for a, b in zip(r["sent"], r["sent"][1:], strict=False)]
         assert per_step[0] == pytest.approx(r["dense_per_step"])  # a warm-up step: dense
         compressed = per_step[4:]
@@ -105,11 +112,26 @@ def test_topk_as_the_momentum_compressor_keeps_replicas_identical():
         assert r["replicas_equal"] and r["losses"][-1] < r["losses"][0]
 
 
+def test_variance_refreshes_send_a_quarter_and_keep_replicas_identical():
+    """Every third compressed step exchanges the gradients in 8 bits (about a quarter of fp32's bytes) and moves
+    the variance; the others send the 1-bit momentum."""
+    for r in run_on_ranks(_run, "refresh", 12, init_process_group=False):
+        assert r["replicas_equal"]
+        per_step = [b - a for a, b in zip(r["sent"], r["sent"][1:], strict=False)]  # steps 2..12
+        dense = r["dense_per_step"]
+        refreshes = [per_step[i] for i in (5, 8)]  # optimizer steps 7 and 10: the 3rd and 6th compressed steps
+        assert all(dense / 4.2 < b < dense / 3.5 for b in refreshes), (refreshes, dense)
+        others = [b for i, b in enumerate(per_step[3:], start=3) if i not in (5, 8)]
+        assert max(others) <= dense / 16, (others, dense)
+        assert sum(r["losses"][-3:]) / 3 < r["losses"][0] - 0.3
+
+
 def _resumed(rank: int, folder: str) -> float:
     def fit(max_steps: int, resume: str | None) -> torch.Tensor:
         L.seed_everything(0, verbose=False)
         saves = [ModelCheckpoint(dirpath=folder, filename="{step}", every_n_train_steps=7, save_top_k=-1)]
-        trainer = L.Trainer(strategy=CompressedDDPStrategy(OneBitAdam(warmup_steps=4)), max_steps=max_steps,
+        strategy = CompressedDDPStrategy(OneBitAdam(warmup_steps=4, variance_refresh=3))
+        trainer = L.Trainer(strategy=strategy, max_steps=max_steps,
                             callbacks=saves if resume is None else [], enable_checkpointing=resume is None,
                             **_QUIET)  # fmt: skip
         model = _model()
@@ -122,7 +144,8 @@ def _resumed(rank: int, folder: str) -> float:
 
 
 def test_a_run_resumed_in_the_compressed_phase_is_bit_identical(tmp_path):
-    """Momentum, frozen variance, phase and each rank's error-feedback buffers are in the checkpoint."""
+    """Momentum, frozen variance, phase, the refreshes' rounding seeds and each rank's error-feedback buffers are
+    in the checkpoint (resumed between two variance refreshes)."""
     assert run_on_ranks(_resumed, str(tmp_path), init_process_group=False) == [0.0, 0.0]
 
 
@@ -181,5 +204,7 @@ def test_bad_arguments_are_refused_at_construction():
         OneBitAdam(compressor=OneBit(error_feedback=False))
     with pytest.raises(ValueError, match="is not supported"):
         OneBitAdam(compressor="zip")
+    with pytest.raises(ValueError, match=r"variance_refresh=1\)`: pass an int >= 2"):
+        OneBitAdam(variance_refresh=1)
     assert OneBitAdam(0.1).resolve_warmup(200) == 20
     assert isinstance(CompressedDDPStrategy("onebit_adam").momentum, OneBitAdam)
