@@ -21,7 +21,7 @@ gradients with 8-bit stochastic rounding (unbiased, a quarter of fp32's bytes), 
 variance are updated from that average as in a warm-up step; the variance's sample stands for the ``K`` steps since
 the last one, ``v <- beta2^K v + (1 - beta2^K) g^2``, so its time constant in steps stays Adam's. No momentum is
 exchanged on a refresh step (it is computed from the same averaged gradient on every rank). Bytes per compressed-
-phase step with ``OneBit`` at 2 ranks: ``((K - 1) / 32 + 1 / 3.94) / K`` of dense, 16.9x fewer at ``K = 8``.
+phase step with ``OneBit`` at 2 ranks: ``((K - 1) / 32 + 1 / 3.94) / K`` of dense, about 1/17 at ``K = 8``.
 
 :class:`OneBitAdam` is the specification a user passes as ``CompressedDDPStrategy(compression=OneBitAdam(...))``;
 :class:`CompressedMomentumAdam` is the optimizer the strategy builds from the module's own ``Adam`` / ``AdamW`` (its
@@ -53,7 +53,7 @@ class OneBitAdam:
         warmup_steps: Optimizer steps of plain Adam over all-reduced fp32 gradients before the variance is frozen:
             an int, or a fraction in ``(0, 1)`` of the run's optimizer steps (``trainer.estimated_stepping_batches``).
             The whole run's bytes are about ``f + (1 - f) r`` of dense, ``r`` the compressed phase's share
-            (``1 / 32`` frozen, ``1 / 16.9`` refreshed every 8th step, with ``OneBit`` at 2 ranks), so ``0.15``
+            (``1 / 32`` frozen, about ``1 / 17`` refreshed every 8th step, with ``OneBit`` at 2 ranks), so ``0.15``
             keeps 5x fewer bytes over the run.
         compressor: How the momentum is exchanged (with error feedback): ``OneBit()`` (the paper), or ``TopK``,
             ``PowerSGD``, ``Quantize``, or one of their names. Its own ``warmup_steps`` must be 0 (this warm-up
@@ -61,7 +61,7 @@ class OneBitAdam:
         variance_refresh: Every how many compressed-phase steps the variance is refreshed from 8-bit averaged
             gradients (an int >= 2; the module docstring has the method), or ``None`` for the paper's variance
             frozen after the warm-up. ``8`` keeps the compressed phase over 16x fewer bytes than fp32 with
-            ``OneBit`` (16.9x at 2 ranks).
+            ``OneBit`` (about 1/17 of fp32's bytes at 2 ranks).
     """
 
     def __init__(
