@@ -61,7 +61,8 @@ def _run(rank: int, what: str, steps: int, folder: str | None = None) -> dict[st
     elif what == "refresh":
         strategy = CompressedDDPStrategy(OneBitAdam(warmup_steps=4, variance_refresh=3))
     else:
-        strategy = CompressedDDPStrategy(OneBitAdam(warmup_steps=steps if what == "warm_only" else 4))
+        warmup = steps if what == "warm_only" else 4
+        strategy = CompressedDDPStrategy(OneBitAdam(warmup_steps=warmup, variance_refresh=None))  # the paper's
     track = _Track()
     trainer = L.Trainer(strategy=strategy, max_steps=steps, callbacks=[track], enable_checkpointing=False,
                         **_QUIET)  # fmt: skip
