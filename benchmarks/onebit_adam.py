@@ -105,9 +105,9 @@ def render_block(results_dir: Path = RESULTS_DIR) -> str:
         measured_line(results, "onebit_adam.json", results_dir),
         "",
         "Over loopback (both ranks on one host), the same seeds for both; `OneBitAdam()` (dense for the first 15% of "
-        "the steps, then 1-bit momentum with error feedback) against dense fp32 AdamW DDP after the same number of "
-        "steps. Bytes: what an fp32 all-reduce of the gradients would send over what this rank sent, counted by the "
-        "strategy.",
+        "the steps, then 1-bit momentum with error feedback, and every 8th step the gradients averaged in 8 bits to "
+        "refresh the variance) against dense fp32 AdamW DDP after the same number of steps. Bytes: what an fp32 "
+        "all-reduce of the gradients would send over what this rank sent, counted by the strategy.",
         "",
         "| model, metric | steps, seeds | dense fp32 | OneBitAdam | vs dense | bytes fewer, compressed phase | bytes "
         "fewer, whole run |",
