@@ -96,6 +96,8 @@ def _strategy(method: str) -> Any:
             return CompressedDDPStrategy(OneBitAdam(variance_refresh=None))
         momentum = {"onebit_adam": OneBit(), "onebit_adam_block": OneBit(block=256),
                     "onebit_adam_q8": Quantize(8, error_feedback=True)}[method]  # fmt: skip
+        if method == "onebit_adam":  # the defaults: OneBit, the variance refreshed every 8th step
+            return CompressedDDPStrategy(OneBitAdam())
         return CompressedDDPStrategy(OneBitAdam(compressor=momentum, variance_refresh=None))
     return CompressedDDPStrategy(_compressor(method))
 
