@@ -142,7 +142,7 @@ def test_a_run_resumed_mid_epoch_draws_what_the_uninterrupted_run_drew(tmp_path)
     def fit(resume: str | None) -> torch.Tensor:
         L.seed_everything(0, verbose=False)
         module = _Classifier()
-        saves = [ModelCheckpoint(dirpath=tmp_path, filename="{step}", every_n_train_steps=4, save_top_k=-1),
+        saves = [ModelCheckpoint(dirpath=tmp_path, filename="{step}", every_n_train_steps=3, save_top_k=-1),
                  FaultTolerance()]  # mid-epoch data position  # fmt: skip
         augment = BatchAugmentation(mixup=0.4, cutmix=1.0, erasing=0.5, num_classes=4)
         trainer = L.Trainer(max_steps=7, callbacks=[augment, *saves], limit_val_batches=0,
@@ -151,7 +151,7 @@ def test_a_run_resumed_mid_epoch_draws_what_the_uninterrupted_run_drew(tmp_path)
         return torch.cat([p.detach().flatten() for p in module.parameters()])
 
     whole = fit(None)
-    resumed = fit(str(tmp_path / "step=4.ckpt"))  # the second epoch (a plain sampler resumes at epoch ends)
+    resumed = fit(str(tmp_path / "step=3.ckpt"))  # batch 3 of 4: mid-epoch
     assert torch.equal(whole, resumed)
 
 
