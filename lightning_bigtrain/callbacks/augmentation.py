@@ -11,6 +11,7 @@ import lightning as L
 import numpy as np
 import torch
 from lightning.pytorch.utilities.model_helpers import is_overridden
+from typing_extensions import override
 
 from lightning_bigtrain._logging import is_logging_step
 from lightning_bigtrain.functional.augmentation import Mixed, mix_batch, mixed_targets, random_erasing, token_mask
@@ -146,6 +147,7 @@ class BatchAugmentation(L.Callback):
 
     # ---------------------------------------------------------------- setup and teardown
 
+    @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
@@ -168,9 +170,11 @@ class BatchAugmentation(L.Callback):
         setattr(owner, name, wrapped)
         self._wrapped.append((owner, name))
 
+    @override
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._total_steps = float(trainer.estimated_stepping_batches)
 
+    @override
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         for owner, name in reversed(self._wrapped):
             if name in vars(owner):
@@ -179,9 +183,11 @@ class BatchAugmentation(L.Callback):
         self._pending = None
         self._trainer_ref = None
 
+    @override
     def state_dict(self) -> dict[str, Any]:
         return {"seed": self.seed}
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.seed = state_dict.get("seed", self.seed)
 
@@ -287,6 +293,7 @@ class BatchAugmentation(L.Callback):
         self._lam = lam
         return self._put(batch, self.input_key, inputs)
 
+    @override
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:

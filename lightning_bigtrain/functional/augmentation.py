@@ -50,11 +50,13 @@ def _boxes(rng: np.random.Generator, lam: np.ndarray, height: int, width: int) -
 
 
 def _box_mask(boxes: tuple[np.ndarray, ...], height: int, width: int, device: torch.device) -> torch.Tensor:
-    """Boolean ``[B, H, W]``: True inside each sample's box."""
-    y0, y1, x0, x1 = (torch.as_tensor(b, device=device).view(-1, 1, 1) for b in boxes)
-    rows = torch.arange(height, device=device).view(1, -1, 1)
-    cols = torch.arange(width, device=device).view(1, 1, -1)
-    return (rows >= y0) & (rows < y1) & (cols >= x0) & (cols < x1)
+    """Boolean ``[B, H, W]``: True inside each sample's box (one full-size operation: rows x columns)."""
+    y0, y1, x0, x1 = (torch.as_tensor(b, device=device) for b in boxes)
+    rows = torch.arange(height, device=device).view(1, -1)
+    cols = torch.arange(width, device=device).view(1, -1)
+    in_rows = (rows >= y0.view(-1, 1)) & (rows < y1.view(-1, 1))
+    in_cols = (cols >= x0.view(-1, 1)) & (cols < x1.view(-1, 1))
+    return in_rows.unsqueeze(2) & in_cols.unsqueeze(1)
 
 
 def mix_batch(
@@ -93,26 +95,27 @@ def mix_batch(
         lam, use_cut = np.repeat(lam, batch), np.repeat(use_cut, batch)
     device = inputs.device
     partner = torch.roll(torch.arange(batch, device=device), 1)
-    other = inputs[partner]
-    out = inputs.clone()
+    other = torch.roll(inputs, 1, 0)  # inputs[partner], without the gather
+    # Each sample's weight on its own pixels: lam everywhere (MixUp), or 0 inside its box and 1 outside (CutMix);
+    # then one lerp for the whole batch.
+    shape = (batch, *([1] * (inputs.dim() - 1)))
     if use_cut.any():
         height, width = inputs.shape[-2], inputs.shape[-1]
         if per_sample:
             boxes = _boxes(rng, lam, height, width)
         else:
             boxes = tuple(np.repeat(b, batch) for b in _boxes(rng, lam[:1], height, width))
-        mask = _box_mask(boxes, height, width, device)
-        mask &= torch.as_tensor(use_cut, device=device).view(-1, 1, 1)
         area = (boxes[1] - boxes[0]) * (boxes[3] - boxes[2]) / float(height * width)
         lam = np.where(use_cut, 1.0 - area, lam)  # the box as clipped to the image decides
-        view = mask.view(batch, *([1] * (inputs.dim() - 3)), height, width) if inputs.dim() > 3 else mask
-        out = torch.where(view, other, out)
-    mixing = ~use_cut
+        y0, y1, x0, x1 = boxes
+        mix_weight = torch.as_tensor(np.where(use_cut, 1.0, lam), dtype=inputs.dtype, device=device).view(-1, 1, 1)
+        inside = _box_mask((y0, np.where(use_cut, y1, y0), x0, x1), height, width, device)  # MixUp's: empty
+        weight = torch.where(inside, 0.0, mix_weight)  # [B, H, W]
+        weight = weight.view(batch, *([1] * (inputs.dim() - 3)), height, width)
+    else:
+        weight = torch.as_tensor(lam, dtype=inputs.dtype, device=device).view(shape)
+    out = torch.lerp(other, inputs, weight)
     lam_t = torch.as_tensor(lam, dtype=torch.float32, device=device)
-    if mixing.any():
-        weight = torch.where(torch.as_tensor(mixing, device=device), lam_t, torch.ones_like(lam_t))
-        weight = weight.to(inputs.dtype).view(batch, *([1] * (inputs.dim() - 1)))
-        out = out * weight + other * (1 - weight)
     return Mixed(out, lam_t, partner)
 
 
@@ -152,7 +155,7 @@ def random_erasing(
     y0 = (rng.random(batch) * (height - h + 1)).astype(np.int64)
     x0 = (rng.random(batch) * (width - w + 1)).astype(np.int64)
     mask = _box_mask((y0, y0 + h, x0, x0 + w), height, width, inputs.device)
-    mask &= torch.as_tensor(chosen, device=inputs.device).view(-1, 1, 1)
+    mask &= torch.as_tensor(chosen, device=inputs.device).view(-1, 1, 1)  # [B, H, W]
     if inputs.dim() > 3:
         mask = mask.view(batch, *([1] * (inputs.dim() - 3)), height, width)
     noise = torch.randn(inputs.shape, generator=generator, device=inputs.device, dtype=inputs.dtype)

@@ -200,3 +200,31 @@ def test_bad_arguments_are_refused_at_construction():
         BatchAugmentation(token_mask=0.1, mask_token=0, mixup=0.2)
     with pytest.raises(ValueError, match=r"num_classes=1\)`: pass an int >= 2"):
         BatchAugmentation(mixup=0.2, num_classes=1)
+
+
+def _two_ranks(rank: int, kd: bool) -> dict[str, Any]:
+    from lightning_bigtrain.callbacks import KnowledgeDistillation
+
+    L.seed_everything(0, verbose=False)
+    module = _Classifier()
+    teacher = _Classifier()
+    augment = BatchAugmentation(mixup=0.4, cutmix=1.0)  # the loss mixed, one forward, under DDP
+    callbacks: list[Any] = [augment, *([KnowledgeDistillation(teacher, temperature=2.0, alpha=0.5)] if kd else [])]
+    trainer = L.Trainer(strategy="ddp", max_steps=3, callbacks=callbacks, limit_val_batches=0,
+                        **{**_QUIET, "devices": 2})  # fmt: skip
+    trainer.fit(module, train_dataloaders=DataLoader(_images(), batch_size=8))
+    weights = torch.cat([p.detach().flatten() for p in module.parameters()])
+    gathered = [torch.empty_like(weights) for _ in range(2)]
+    torch.distributed.all_gather(gathered, weights)
+    return {"equal": torch.equal(*gathered), "forwards": module.forwards, "calls": len(module.seen),
+            "kd": "distill/kd_loss" in trainer.callback_metrics}  # fmt: skip
+
+
+def test_under_ddp_with_distillation_replicas_agree_and_each_rank_draws_its_own():
+    """2 ranks: the mixed loss under DDP, alone and composed with KnowledgeDistillation (whose teacher sees the
+    mixed inputs): one forward per step, replicas identical."""
+    from tests.helpers.distributed import run_on_ranks
+
+    for kd in (False, True):
+        ranks = run_on_ranks(_two_ranks, kd, init_process_group=False)
+        assert all(r["equal"] and r["forwards"] == 3 and r["calls"] == 6 and r["kd"] == kd for r in ranks), ranks
