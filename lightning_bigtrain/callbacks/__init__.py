@@ -1,6 +1,7 @@
 """Lightning callbacks of lightning_bigtrain."""
 
 from lightning_bigtrain.callbacks._pruning_schedule import PruningSchedule
+from lightning_bigtrain.callbacks.augmentation import BatchAugmentation
 from lightning_bigtrain.callbacks.distillation import DistillationOptions, KnowledgeDistillation
 from lightning_bigtrain.callbacks.fault_tolerance import EXIT_PREEMPTED, FaultTolerance, Preempted
 from lightning_bigtrain.callbacks.fusion import OperatorFusion
@@ -10,6 +11,7 @@ from lightning_bigtrain.callbacks.structured_pruning import StructuredPruning, l
 
 __all__ = [
     "EXIT_PREEMPTED",
+    "BatchAugmentation",
     "DistillationOptions",
     "FaultTolerance",
     "KnowledgeDistillation",

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 
 __all__ = [
     "STATE_VERSION",
@@ -176,6 +176,12 @@ def make_resumable(dataloader: object, trainer_ref: Callable[[], Any]) -> object
         _not_resumable(f"it batches with a custom {type(dataloader.batch_sampler).__name__}")
         return dataloader
     sampler = dataloader.sampler
+    adopt_seed = False  # the shuffle seed is ours (a RandomSampler's stand-in): a resumed run takes the checkpoint's
+    if type(sampler) in (SequentialSampler, RandomSampler) and dataloader.batch_size is not None:
+        stand_in = _single_process_sampler(sampler, trainer_ref())
+        if stand_in is None:
+            return dataloader
+        sampler, adopt_seed = stand_in, type(sampler) is RandomSampler
     if type(sampler) is not DistributedSampler and not _is_sampler_wrapper(sampler):
         if isinstance(sampler, DistributedSampler):  # a subclass of the user's: its order is its own
             _not_resumable(f"its sampler is the user's {type(sampler).__name__}")
@@ -222,6 +228,8 @@ def make_resumable(dataloader: object, trainer_ref: Callable[[], Any]) -> object
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"A training dataloader state of version {state.get('version')!r} cannot be loaded "
                              f"(this lightning_bigtrain writes version {STATE_VERSION}).")  # fmt: skip
+        if adopt_seed:
+            resumable.seed = int(state["seed"])
         if state["num_samples"] != len(dataset) or state["seed"] != resumable.seed:
             raise ValueError(
                 f"The checkpoint's training data position is for a dataset of {state['num_samples']} samples "
@@ -237,6 +245,30 @@ def make_resumable(dataloader: object, trainer_ref: Callable[[], Any]) -> object
     loader.load_state_dict = load_state_dict
     loader._bigtrain_resumable = True
     return loader
+
+
+def _single_process_sampler(sampler: Any, trainer: Any) -> DistributedSampler | None:
+    """The ``DistributedSampler`` of one replica that stands in for a plain sampler Lightning left in place (no
+    distributed sampler injected: one process, or ``use_distributed_sampler=False``).
+
+    A ``SequentialSampler`` becomes an unshuffled one: the same order. A ``RandomSampler`` (without replacement,
+    one pass per epoch) of a one-process run becomes a shuffled one, ``randperm`` seeded with ``seed + epoch``:
+    another uniformly random order per epoch, reproducible from the seed, which is drawn from the sampler's own
+    generator if it has one, else the run's ``torch.initial_seed()``. ``None`` (left as it is, with a warning) for
+    a ``RandomSampler`` with replacement or another length, or of one of several processes (each draws its own
+    order, which one seed cannot stand for).
+    """
+    dataset = sampler.data_source
+    if isinstance(sampler, SequentialSampler):
+        return DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=False)
+    if sampler.replacement or sampler._num_samples is not None or int(getattr(trainer, "world_size", 1)) != 1:
+        _not_resumable("its RandomSampler draws with replacement, another number of samples, or per process")
+        return None
+    if sampler.generator is not None:
+        seed = int(torch.empty((), dtype=torch.int64).random_(generator=sampler.generator).item())
+    else:
+        seed = torch.initial_seed()
+    return DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=seed % 2**63)
 
 
 def load_pending_states(trainer: Any) -> None:

@@ -127,10 +127,32 @@ def test_make_resumable_saves_and_restores_the_cursor_of_a_wrapped_user_sampler(
     assert [int(x) for b in resumed for x in b] == reference[1][8:]
 
 
-def test_a_stateful_or_unsampled_loader_is_left_alone():
+def test_a_one_process_plain_or_shuffled_loader_resumes_mid_epoch():
+    """No distributed sampler injected (one process): a SequentialSampler keeps its order, a RandomSampler
+    becomes a seeded shuffle; both continue mid-epoch, and a resumed process takes the checkpoint's seed."""
+    from lightning_bigtrain.warnings import NoEffectWarning
+
+    data = list(range(20))
+    trainer = _trainer(0)
+    plain = make_resumable(DataLoader(data, batch_size=4), lambda: trainer)
+    assert is_stateful_loader(plain) and [int(x) for b in plain for x in b] == data
+    torch.manual_seed(7)
+    shuffled = make_resumable(DataLoader(data, batch_size=4, shuffle=True), lambda: trainer)
+    order = [int(x) for b in shuffled for x in b]
+    assert sorted(order) == data and order != data
+    trainer.fit_loop.epoch_loop.batch_progress.current.processed = 2
+    state = shuffled.state_dict()
+    torch.manual_seed(99)  # the resumed process was not seeded alike
+    resumed = make_resumable(DataLoader(data, batch_size=4, shuffle=True), lambda: trainer)
+    resumed.load_state_dict(state)
+    assert [int(x) for b in resumed for x in b] == order[8:]
+    with_replacement = DataLoader(data, batch_size=4, sampler=RandomSampler(data, replacement=True))
+    with pytest.warns(NoEffectWarning, match="draws with replacement"):
+        assert make_resumable(with_replacement, lambda: trainer) is with_replacement
+
+
+def test_a_stateful_loader_is_left_alone():
     data = list(range(8))
-    plain = DataLoader(data, batch_size=2)
-    assert make_resumable(plain, lambda: None) is plain
     from torchdata.stateful_dataloader import StatefulDataLoader
 
     stateful = StatefulDataLoader(data, batch_size=2, sampler=DistributedSampler(data, num_replicas=2, rank=0))
