@@ -137,7 +137,8 @@ def render_block(results_dir: Path = RESULTS_DIR) -> str:
     lines = [
         measured_line(results, "augmentation.json", results_dir),
         "",
-        f"Fashion-MNIST CNN, {f['steps']} steps at batch 128 (one process), test accuracy over {seeds} seed"
+        f"Fashion-MNIST CNN (conv channels {'/'.join(map(str, CHANNELS))}), {f['steps']} steps at batch 128 (one "
+        f"process, AdamW), test accuracy over {seeds} seed"
         f"{'s' if seeds > 1 else ''} (mean, min..max); step time: the median step, averaged over the seeds, over "
         "the same with no augmentation.",
         "",
