@@ -46,7 +46,7 @@ def test_sigterm_checkpoints_exits_75_and_the_relaunch_continues_exactly(tmp_pat
         assert torch.equal(a["state"], b["state"])
 
 
-@pytest.mark.parametrize("samples", [48, 51])
+@pytest.mark.parametrize("samples", [51])  # not a multiple of 2 or of the batch: padding at both world sizes
 def test_world_size_2_1_2_mid_epoch_sees_every_sample_once(samples, tmp_path):
     common = ("--data-job", "--samples", str(samples))
     assert launch("-", tmp_path, "a", devices=2, epochs=1, extra=(*common, "--max-steps", "2")) == 0  # 16 samples
