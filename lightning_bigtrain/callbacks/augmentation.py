@@ -64,8 +64,8 @@ class BatchAugmentation(L.Callback):
     With :class:`~lightning_bigtrain.callbacks.KnowledgeDistillation` the live teacher sees the augmented inputs;
     its logit cache, addressed by the inputs, misses on mixed ones and runs the teacher (with its warning).
 
-    **Randomness.** Each step's draws are seeded from ``seed`` (default: ``torch.initial_seed()`` at setup, which
-    ``seed_everything`` sets), the rank and the batch's index in the run, so a resumed run draws exactly what the
+    **Randomness.** Each step's draws are seeded from ``seed`` (default: rank 0's ``torch.initial_seed()`` at setup,
+    which ``seed_everything`` sets), the rank and the batch's index in the run, so a resumed run draws exactly what the
     uninterrupted one drew; ``seed`` is in the checkpoint.
 
     Logged on Lightning's logging steps: ``augment/lam`` (the batch's mean ``lam``; 1.0 when off).
@@ -151,8 +151,8 @@ class BatchAugmentation(L.Callback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        if self.seed is None:
-            self.seed = int(torch.initial_seed())
+        if self.seed is None:  # rank 0's, so that a checkpoint's (rank 0's) seed is every rank's
+            self.seed = int(trainer.strategy.broadcast(int(torch.initial_seed())))
         self._trainer_ref = trainer
         datamodule = getattr(trainer, "datamodule", None)
         owner: Any = datamodule if datamodule is not None and is_overridden(_HOOK, datamodule) else pl_module
