@@ -132,7 +132,7 @@ class BatchAugmentation(L.Callback):
         self.num_classes = num_classes
         self.input_key, self.target_key = input_key, target_key
         self.seed = seed
-        self._wrapped: list[tuple[Any, str]] = []
+        self._wrapped: list[tuple[Any, str, Any]] = []
         self._total_steps = float("inf")
         self._pending: tuple[torch.Tensor, Mixed] | None = None  # loss mixing: (targets, what mix_batch did)
         self._lam = 1.0
@@ -167,8 +167,8 @@ class BatchAugmentation(L.Callback):
         def wrapped(*args: Any, **kwargs: Any) -> Any:
             return replacement(original, *args, **kwargs)
 
+        self._wrapped.append((owner, name, vars(owner).get(name)))  # an instance-level hook is put back as it was
         setattr(owner, name, wrapped)
-        self._wrapped.append((owner, name))
 
     @override
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -176,8 +176,10 @@ class BatchAugmentation(L.Callback):
 
     @override
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        for owner, name in reversed(self._wrapped):
-            if name in vars(owner):
+        for owner, name, own in reversed(self._wrapped):
+            if own is not None:
+                setattr(owner, name, own)
+            elif name in vars(owner):
                 delattr(owner, name)
         self._wrapped.clear()
         self._pending = None
