@@ -176,6 +176,9 @@ def make_resumable(dataloader: object, trainer_ref: Callable[[], Any]) -> object
         _not_resumable(f"it batches with a custom {type(dataloader.batch_sampler).__name__}")
         return dataloader
     sampler = dataloader.sampler
+    if dataloader.batch_size is not None and _is_streaming_sampler(sampler):
+        streaming: Any = sampler
+        return _with_state(dataloader, streaming, streaming.dataset, trainer_ref, adopt_seed=False)
     adopt_seed = False  # the shuffle seed is ours (a RandomSampler's stand-in): a resumed run takes the checkpoint's
     if type(sampler) in (SequentialSampler, RandomSampler) and dataloader.batch_size is not None:
         stand_in = _single_process_sampler(sampler, trainer_ref())
@@ -198,19 +201,38 @@ def make_resumable(dataloader: object, trainer_ref: Callable[[], Any]) -> object
             wrapped.reset()
             return wrapped.__getitem__
 
-    resumable = ResumableDistributedSampler(
-        dataset,
-        num_replicas=sampler.num_replicas,
-        rank=sampler.rank,
-        shuffle=sampler.shuffle,
-        seed=sampler.seed,
-        drop_last=sampler.drop_last,
-        index_map=index_map,
-    )
+    resumable: ResumableDistributedSampler
+    if _is_streaming(dataset):  # Lightning's sampler over a StreamingDataset: read it shard by shard
+        from lightning_bigtrain.data.streaming import StreamingSampler
+
+        resumable = StreamingSampler(dataset, num_replicas=sampler.num_replicas, rank=sampler.rank,
+                                     shuffle=sampler.shuffle, seed=sampler.seed, drop_last=sampler.drop_last)  # fmt: skip
+    else:
+        resumable = ResumableDistributedSampler(
+            dataset,
+            num_replicas=sampler.num_replicas,
+            rank=sampler.rank,
+            shuffle=sampler.shuffle,
+            seed=sampler.seed,
+            drop_last=sampler.drop_last,
+            index_map=index_map,
+        )
     from lightning_bigtrain._compat import _update_dataloader
 
-    loader = _update_dataloader(dataloader, resumable)
-    batch_size = int(loader.batch_size)  # type: ignore[arg-type]
+    return _with_state(_update_dataloader(dataloader, resumable), resumable, dataset, trainer_ref, adopt_seed)
+
+
+def _with_state(
+    loader: Any,
+    resumable: ResumableDistributedSampler,
+    dataset: Any,
+    trainer_ref: Callable[[], Any],
+    adopt_seed: bool,
+) -> Any:
+    """``loader`` (whose sampler is ``resumable``) given the ``state_dict``/``load_state_dict`` Lightning's fit
+    loop saves and restores."""
+    batch_size = int(loader.batch_size)
+    streaming = _is_streaming_sampler(resumable)
 
     def state_dict() -> dict[str, Any]:
         samples = _batches_consumed(trainer_ref()) * batch_size
@@ -222,12 +244,20 @@ def make_resumable(dataloader: object, trainer_ref: Callable[[], Any]) -> object
             "num_samples": len(dataset),
             "cursor": resumable.cursor(samples),
             "world_size": resumable.num_replicas,
+            # A streaming order depends on the world size it was dealt out to; the cursor counts positions in it.
+            **({"order_world_size": resumable.list_world_size()} if streaming else {}),  # type: ignore[attr-defined]
         }
 
     def load_state_dict(state: dict[str, Any]) -> None:
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"A training dataloader state of version {state.get('version')!r} cannot be loaded "
                              f"(this lightning_bigtrain writes version {STATE_VERSION}).")  # fmt: skip
+        if bool(state.get("shuffle", resumable.shuffle)) != resumable.shuffle:
+            raise ValueError(
+                f"The checkpoint's training data position is for a {'' if state['shuffle'] else 'un'}shuffled loader; "
+                f"this run's is {'' if resumable.shuffle else 'un'}shuffled. Resume with the same `shuffle`, or start "
+                "a new run."
+            )
         if adopt_seed:
             resumable.seed = int(state["seed"])
         if state["num_samples"] != len(dataset) or state["seed"] != resumable.seed:
@@ -238,6 +268,11 @@ def make_resumable(dataloader: object, trainer_ref: Callable[[], Any]) -> object
             )
         trainer = trainer_ref()
         counted = _batches_consumed(trainer) * batch_size
+        if streaming:
+            if "order_world_size" not in state:
+                raise ValueError("The checkpoint's training data position was saved for a non-streaming dataset; "
+                                 "this run streams it. Resume with the same kind of dataset, or start a new run.")  # fmt: skip
+            resumable.order_world_size = int(state["order_world_size"])  # type: ignore[attr-defined]
         resumable.resume(int(state["epoch"]), int(state["cursor"]), counted)
         _refresh_limit(trainer, loader)
 
@@ -311,6 +346,18 @@ def _refresh_limit(trainer: Any, loader: object) -> None:
         if candidate is loader:
             limits[i] = _parse_num_batches(RunningStage.TRAINING, len(loader), trainer.limit_train_batches)
     combined.limits = limits
+
+
+def _is_streaming(dataset: object) -> bool:
+    from lightning_bigtrain.data.streaming import StreamingDataset
+
+    return isinstance(dataset, StreamingDataset)
+
+
+def _is_streaming_sampler(sampler: object) -> bool:
+    from lightning_bigtrain.data.streaming import StreamingSampler
+
+    return isinstance(sampler, StreamingSampler)
 
 
 def _is_sampler_wrapper(sampler: object) -> bool:
