@@ -137,6 +137,10 @@ def _main(argv: list[str] | None) -> None:
         sys.exit(demo_main(args[1:]))
     if args and args[0] == "consolidate":
         sys.exit(_consolidate_main(args[1:]))
+    if args and args[0] == "data":
+        from lightning_bigtrain.data.optimize import main as data_main
+
+        sys.exit(data_main(args[1:]))
     if args and args[0] == "plan":
         from lightning_bigtrain.planning.cli import main as plan_main
 

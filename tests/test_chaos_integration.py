@@ -6,6 +6,7 @@ sample of the epoch once. The whole settings matrix runs in ``benchmarks/chaos.p
 from __future__ import annotations
 
 import json
+import signal
 from collections import Counter
 
 import pytest
@@ -57,3 +58,25 @@ def test_world_size_2_1_2_mid_epoch_sees_every_sample_once(samples, tmp_path):
     counts = Counter(seen[0])
     assert set(counts) == set(range(samples)), "samples of the epoch were skipped"
     assert sum(counts.values()) - samples == (samples - 28) % 2  # repeats: the last partition's padding only
+
+
+def test_killed_mid_epoch_while_streaming_from_s3_and_resumed_on_one_rank_sees_every_sample_once(
+    s3_bucket, tmp_path, monkeypatch
+):
+    """2 ranks stream the sample ids from a real S3 server (2 loader workers each, a cache that holds a few
+    shards), the job is SIGKILLed at step 3 (mid-epoch), one rank resumes from the last checkpoint and
+    finishes the epoch: every sample of it is trained on exactly once."""
+    from lightning_bigtrain.data import write_shards
+
+    _, bucket = s3_bucket
+    samples = 51
+    url = f"s3://{bucket}/ids"
+    write_shards(list(range(samples)), url, shard_bytes=48)  # 6 ids a shard: 9 shards
+    monkeypatch.setenv("BIGTRAIN_CACHE", str(tmp_path / "cache"))
+    common = ("--data-job", "--samples", str(samples), "--streaming", url)
+    assert launch("-", tmp_path, "a", devices=2, epochs=1, extra=(*common, "--kill-at", "3")) == -signal.SIGKILL
+    assert launch("-", tmp_path, "b", devices=1, epochs=1, extra=common) == 0
+    seen = seen_samples(tmp_path)
+    assert list(seen) == [0]
+    assert len(seen[0]) == samples and sorted(seen[0]) == list(range(samples))  # none skipped, none repeated
+    assert list((tmp_path / "cache").rglob("*.pt")), "the shards were not read through the cache"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gzip
 import os
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch.utils.data import Dataset
@@ -13,7 +13,7 @@ from lightning_bigtrain.data.base import SplitDataModule
 from lightning_bigtrain.data.paths import data_root, require
 from typing_extensions import override
 
-__all__ = ["CLASSES", "FashionMNISTDataModule", "load_fashion_mnist", "read_idx"]
+__all__ = ["CLASSES", "FashionMNISTDataModule", "load_fashion_mnist", "raw_splits", "read_idx", "standardise"]
 
 CLASSES = (
     "T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
@@ -56,8 +56,14 @@ def load_fashion_mnist(
     return images, labels
 
 
-class _Images(Dataset[tuple[torch.Tensor, torch.Tensor]]):
-    """Standardised 1 x 28 x 28 float images and their labels, converted per item to keep memory low."""
+def standardise(sample: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(28 x 28 uint8 image, label) -> (standardised 1 x 28 x 28 float image, label): what the model is fed."""
+    image, label = sample
+    return image.float().div_(255.0).sub_(MEAN).div_(STD).unsqueeze(0), label
+
+
+class _Raw(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """The uint8 images and labels of one split, as stored (what `bigtrain data optimize` writes)."""
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor) -> None:
         self.images, self.labels = images, labels
@@ -66,8 +72,33 @@ class _Images(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         return len(self.labels)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        x = (self.images[i].float().div_(255.0).sub_(MEAN).div_(STD)).unsqueeze(0)
-        return x, self.labels[i]
+        return self.images[i], self.labels[i]
+
+
+class _Images(_Raw):
+    """Standardised 1 x 28 x 28 float images and their labels, converted per item to keep memory low."""
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return standardise((self.images[i], self.labels[i]))
+
+
+def raw_splits(
+    data_dir: str | os.PathLike[str] | None, val_size: int, seed: int, subset: int | None
+) -> dict[str, _Raw]:
+    """The datamodule's train/val/test splits as stored: the official training images split by a seeded
+    permutation into train and validation, the official test images as test, each cut to ``subset``."""
+    images, labels = load_fashion_mnist("train", data_dir)
+    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(seed))
+    val_idx, train_idx = order[:val_size], order[val_size:]
+    test_images, test_labels = load_fashion_mnist("test", data_dir)
+    splits = {
+        "train": (images[train_idx], labels[train_idx]),
+        "val": (images[val_idx], labels[val_idx]),
+        "test": (test_images, test_labels),
+    }
+    if subset is not None:
+        splits = {name: (x[:subset], y[:subset]) for name, (x, y) in splits.items()}
+    return {name: _Raw(x, y) for name, (x, y) in splits.items()}
 
 
 class FashionMNISTDataModule(SplitDataModule):
@@ -86,7 +117,13 @@ class FashionMNISTDataModule(SplitDataModule):
         subset: If set, keep only the first ``subset`` samples of every split (for quick tests).
         num_workers: DataLoader worker processes.
         seed: Seed of the train/validation split.
+        streaming: Read the splits as shards from this URL (``s3://bucket/fmnist``, a local path, any fsspec
+            URL) instead of the local files, written there with the same ``val_size``, ``seed`` and ``subset`` by
+            ``bigtrain data optimize fashion-mnist URL``.
+        cache_dir: Where streamed shards are cached (see :class:`~lightning_bigtrain.data.StreamingDataset`).
     """
+
+    source_name = "fashion-mnist"
 
     def __init__(
         self,
@@ -96,6 +133,8 @@ class FashionMNISTDataModule(SplitDataModule):
         subset: int | None = None,
         num_workers: int = 0,
         seed: int = 0,
+        streaming: str | None = None,
+        cache_dir: str | None = None,
     ) -> None:
         super().__init__()
         if batch_size < 1:
@@ -111,11 +150,16 @@ class FashionMNISTDataModule(SplitDataModule):
         self.subset = subset
         self.num_workers = num_workers
         self.seed = seed
+        self.streaming = streaming
+        self.cache_dir = cache_dir
         self.num_classes = len(CLASSES)
         self.prepare_data()  # offline data only: fail here, before any process is launched
 
     @override
     def prepare_data(self) -> None:
+        if self.streaming is not None:
+            self._check_streaming(self.stored_as())
+            return
         folder = data_root(self.data_dir) / "fashion-mnist"
         for name in (*FILES["train"], *FILES["test"]):
             require(folder / name, "Fashion-MNIST")
@@ -124,16 +168,12 @@ class FashionMNISTDataModule(SplitDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self._splits:
             return
-        images, labels = load_fashion_mnist("train", self.data_dir)
-        order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(self.seed))
-        val_idx, train_idx = order[: self.val_size], order[self.val_size :]
-        test_images, test_labels = load_fashion_mnist("test", self.data_dir)
-        splits = {
-            "train": (images[train_idx], labels[train_idx]),
-            "val": (images[val_idx], labels[val_idx]),
-            "test": (test_images, test_labels),
-        }
-        for name, (x, y) in splits.items():
-            if self.subset is not None:
-                x, y = x[: self.subset], y[: self.subset]
-            self._splits[name] = _Images(x, y)
+        if self.streaming is not None:
+            self._streaming_splits(standardise)
+            return
+        for name, raw in raw_splits(self.data_dir, self.val_size, self.seed, self.subset).items():
+            self._splits[name] = _Images(raw.images, raw.labels)
+
+    def stored_as(self) -> dict[str, Any]:
+        """What the shards of this datamodule's splits record (``bigtrain data optimize`` writes it)."""
+        return {"source": self.source_name, "val_size": self.val_size, "seed": self.seed, "subset": self.subset}

@@ -6,6 +6,7 @@ import os
 import tarfile
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.utils.data import Dataset
@@ -14,7 +15,7 @@ from lightning_bigtrain.data.base import SplitDataModule
 from lightning_bigtrain.data.paths import data_root, require
 from typing_extensions import override
 
-__all__ = ["VOCAB", "CharVocab", "ShakespeareDataModule", "build_corpus", "load_corpus"]
+__all__ = ["VOCAB", "CharVocab", "ShakespeareDataModule", "build_corpus", "load_corpus", "raw_splits", "split_window"]
 
 CORPUS_FILE = "shakespeare.txt"
 # A fixed vocabulary (newline + printable ASCII) keeps `vocab_size` known before any data is read,
@@ -88,8 +89,14 @@ def load_corpus(data_dir: str | os.PathLike[str] | None = None) -> str:
     return path.read_text(encoding="utf-8")
 
 
-class _Blocks(Dataset[tuple[torch.Tensor, torch.Tensor]]):
-    """Non-overlapping windows: input ids (block_size) and the same shifted by one (targets)."""
+def split_window(chunk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``block_size + 1`` ids -> (input ids, next-char targets), int64."""
+    chunk = chunk.long()
+    return chunk[:-1], chunk[1:]
+
+
+class _Windows(Dataset[torch.Tensor]):
+    """Non-overlapping windows of ``block_size + 1`` ids (uint8), as `bigtrain data optimize` stores them."""
 
     def __init__(self, ids: torch.Tensor, block_size: int) -> None:
         self.ids, self.block_size = ids, block_size
@@ -97,10 +104,38 @@ class _Blocks(Dataset[tuple[torch.Tensor, torch.Tensor]]):
     def __len__(self) -> int:
         return max(0, (len(self.ids) - 1) // self.block_size)
 
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def __getitem__(self, i: int) -> torch.Tensor:
+        start = i * self.block_size
+        return self.ids[start : start + self.block_size + 1].to(torch.uint8)
+
+
+class _Blocks(_Windows):
+    """Non-overlapping windows: input ids (block_size) and the same shifted by one (targets)."""
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
         start = i * self.block_size
         chunk = self.ids[start : start + self.block_size + 1]
         return chunk[:-1], chunk[1:]
+
+
+def raw_splits(
+    data_dir: str | os.PathLike[str] | None,
+    block_size: int,
+    val_fraction: float,
+    test_fraction: float,
+    subset: int | None,
+) -> dict[str, _Windows]:
+    """The datamodule's splits as stored: contiguous train/val/test parts of the corpus cut into windows."""
+    ids = CharVocab().encode(load_corpus(data_dir))
+    n = len(ids)
+    n_val, n_test = int(n * val_fraction), int(n * test_fraction)
+    bounds = {"train": (0, n - n_val - n_test), "val": (n - n_val - n_test, n - n_test), "test": (n - n_test, n)}
+    splits = {}
+    for name, (lo, hi) in bounds.items():
+        if subset is not None:
+            hi = min(hi, lo + subset * block_size + 1)
+        splits[name] = _Windows(ids[lo:hi], block_size)
+    return splits
 
 
 class ShakespeareDataModule(SplitDataModule):
@@ -118,9 +153,13 @@ class ShakespeareDataModule(SplitDataModule):
         test_fraction: Fraction of the corpus for test.
         subset: If set, keep only the first ``subset`` samples of every split (for quick tests).
         num_workers: DataLoader worker processes.
+        streaming: Read the splits as shards from this URL (any fsspec URL or a local path), written there with
+            the same ``block_size``, fractions and ``subset`` by ``bigtrain data optimize shakespeare URL``.
+        cache_dir: Where streamed shards are cached (see :class:`~lightning_bigtrain.data.StreamingDataset`).
     """
 
     vocab_size = len(VOCAB)
+    source_name = "shakespeare"
 
     def __init__(
         self,
@@ -131,6 +170,8 @@ class ShakespeareDataModule(SplitDataModule):
         test_fraction: float = 0.05,
         subset: int | None = None,
         num_workers: int = 0,
+        streaming: str | None = None,
+        cache_dir: str | None = None,
     ) -> None:
         super().__init__()
         if block_size < 1:
@@ -152,25 +193,33 @@ class ShakespeareDataModule(SplitDataModule):
         self.test_fraction = test_fraction
         self.subset = subset
         self.num_workers = num_workers
+        self.streaming = streaming
+        self.cache_dir = cache_dir
         self.vocab = CharVocab()
         self.prepare_data()  # offline data only: fail here, before any process is launched
 
     @override
     def prepare_data(self) -> None:
+        if self.streaming is not None:
+            self._check_streaming(self.stored_as())
+            return
         require(data_root(self.data_dir) / "shakespeare" / CORPUS_FILE, "Shakespeare")
 
     @override
     def setup(self, stage: str | None = None) -> None:
         if self._splits:
             return
-        ids = self.vocab.encode(load_corpus(self.data_dir))
-        n = len(ids)
-        n_val, n_test = int(n * self.val_fraction), int(n * self.test_fraction)
-        bounds = {"train": (0, n - n_val - n_test), "val": (n - n_val - n_test, n - n_test), "test": (n - n_test, n)}
-        for name, (lo, hi) in bounds.items():
-            if self.subset is not None:
-                hi = min(hi, lo + self.subset * self.block_size + 1)
-            self._splits[name] = _Blocks(ids[lo:hi], self.block_size)
+        if self.streaming is not None:
+            self._streaming_splits(split_window)
+            return
+        for name, raw in raw_splits(self.data_dir, self.block_size, self.val_fraction, self.test_fraction,
+                                    self.subset).items():  # fmt: skip
+            self._splits[name] = _Blocks(raw.ids, self.block_size)
+
+    def stored_as(self) -> dict[str, Any]:
+        """What the shards of this datamodule's splits record (``bigtrain data optimize`` writes it)."""
+        return {"source": self.source_name, "block_size": self.block_size, "val_fraction": self.val_fraction,
+                "test_fraction": self.test_fraction, "subset": self.subset}  # fmt: skip
 
 
 def corpus_path(data_dir: str | os.PathLike[str] | None = None) -> Path:

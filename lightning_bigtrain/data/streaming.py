@@ -52,6 +52,7 @@ __all__ = [
     "StreamingDataset",
     "StreamingSampler",
     "parse_size",
+    "read_index",
     "shard_order",
     "streaming_loader",
     "write_shards",
@@ -233,6 +234,28 @@ def write_shards(
     return index
 
 
+def read_index(url: str, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The committed index of the dataset at ``url``.
+
+    Raises:
+        FileNotFoundError: No committed dataset there.
+        ValueError: The index is not this package's format.
+    """
+    fs, root = _fs(str(url).rstrip("/"), storage_options)
+    try:
+        raw = fs.cat_file(f"{root}/{INDEX_FILE}")
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"{url} holds no committed dataset ({INDEX_FILE} is missing). Write one with "
+            "`bigtrain data optimize SRC DST` or `lightning_bigtrain.data.write_shards`."
+        ) from None
+    index = json.loads(raw)
+    if index.get("format") != FORMAT or index.get("version") != FORMAT_VERSION:
+        raise ValueError(f"{url}/{INDEX_FILE} is not a {FORMAT} v{FORMAT_VERSION} index "
+                         f"(format {index.get('format')!r}, version {index.get('version')!r}).")  # fmt: skip
+    return dict(index)
+
+
 # ---- the reader ----------------------------------------------------------------------------------------------
 def _default_cache_dir(url: str) -> Path:
     base = os.environ.get("BIGTRAIN_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "lightning_bigtrain")
@@ -283,17 +306,7 @@ class StreamingDataset(Dataset[Any]):
         self.cache_limit = parse_size(cache_limit, "cache_limit")
         fs, self._root = _fs(self.url, self.storage_options)
         self.local = _is_local(fs)
-        try:
-            raw = fs.cat_file(f"{self._root}/{INDEX_FILE}")
-        except FileNotFoundError:
-            raise FileNotFoundError(
-                f"StreamingDataset: {self.url} holds no committed dataset ({INDEX_FILE} is missing). Write one "
-                "with `bigtrain data optimize SRC DST` or `lightning_bigtrain.data.write_shards`."
-            ) from None
-        index = json.loads(raw)
-        if index.get("format") != FORMAT or index.get("version") != FORMAT_VERSION:
-            raise ValueError(f"StreamingDataset: {self.url}/{INDEX_FILE} is not a {FORMAT} v{FORMAT_VERSION} index "
-                             f"(format {index.get('format')!r}, version {index.get('version')!r}).")  # fmt: skip
+        index = read_index(self.url, self.storage_options)
         self.shards: list[dict[str, Any]] = index["shards"]
         self.meta: dict[str, Any] = index.get("meta", {})
         self.shard_sizes = [int(s["samples"]) for s in self.shards]

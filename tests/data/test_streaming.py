@@ -206,3 +206,39 @@ def test_s3_through_a_real_server_two_workers_and_a_bounded_cache(s3_bucket, tmp
         fresh[299]
     assert not (tmp_path / "other" / name).exists()
     assert json.loads(fs.cat(f"{bucket}/ds/index.json"))["num_samples"] == 300
+
+
+def test_the_bundled_datamodules_stream_what_optimize_wrote(tmp_path, capsys):
+    """`bigtrain data optimize` writes the datamodule's splits as stored; `streaming=` reads back exactly the
+    samples of the local files; other settings than the shards were written with are refused."""
+    from lightning_bigtrain.cli import main
+    from lightning_bigtrain.data import FashionMNISTDataModule, ShakespeareDataModule
+
+    with pytest.raises(FileNotFoundError, match="bigtrain data optimize fashion-mnist"):
+        FashionMNISTDataModule(streaming=str(tmp_path / "fm"))
+    for src, extra in (("fashion-mnist", ["--subset", "300"]), ("shakespeare", ["--subset", "40", "--block-size", "16"])):
+        with pytest.raises(SystemExit) as done:
+            main(["data", "optimize", src, str(tmp_path / src), "--shard-bytes", "4KiB", *extra])
+        assert done.value.code == 0
+    assert "train: 300 samples" in capsys.readouterr().out
+    pairs = [
+        (FashionMNISTDataModule(subset=300, batch_size=8), FashionMNISTDataModule(subset=300, batch_size=8,
+                                                                                 streaming=str(tmp_path / "fashion-mnist"))),
+        (ShakespeareDataModule(subset=40, block_size=16), ShakespeareDataModule(subset=40, block_size=16,
+                                                                               streaming=str(tmp_path / "shakespeare"))),
+    ]  # fmt: skip
+    for local, streamed in pairs:
+        local.setup()
+        streamed.setup()
+        for split in ("train", "val", "test"):
+            a, b = local._splits[split], streamed._splits[split]
+            assert len(a) == len(b)
+            for i in (0, len(a) // 2, len(a) - 1):
+                assert all(torch.equal(x, y) for x, y in zip(a[i], b[i], strict=True))
+        loader = streamed.train_dataloader()
+        assert isinstance(loader.sampler, StreamingSampler) and len(list(loader.sampler)) == len(streamed._splits["train"])
+    with pytest.raises(ValueError, match="written with block_size=16, this datamodule asks for block_size=32"):
+        ShakespeareDataModule(subset=40, block_size=32, streaming=str(tmp_path / "shakespeare"))
+    with pytest.raises(SystemExit):
+        main(["data", "optimize", "fashion-mnist", str(tmp_path / "fashion-mnist"), "--subset", "300"])  # exists
+    assert "overwrite" in capsys.readouterr().err

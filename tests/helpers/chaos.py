@@ -158,13 +158,24 @@ def _data_job(args: argparse.Namespace) -> int:
             return torch.optim.SGD(self.parameters(), lr=0.01)
 
         def train_dataloader(self) -> DataLoader:
+            if args.streaming:  # the sample ids as shards: Lightning's sampler becomes a StreamingSampler
+                from lightning_bigtrain.data import StreamingDataset
+
+                return DataLoader(StreamingDataset(args.streaming, cache_limit="1MiB", shuffle_window=2),
+                                  batch_size=4, shuffle=True, num_workers=2)  # fmt: skip
             return DataLoader(list(range(args.samples)), batch_size=4, shuffle=True)
+
+    class KillAt(L.Callback):
+        def on_train_batch_start(self, trainer: L.Trainer, *a: Any) -> None:
+            if trainer.global_step == args.kill_at:  # the checkpoint of the step before is committed
+                _kill_job()
 
     L.seed_everything(0, verbose=False)
     trainer = L.Trainer(
         accelerator="cpu", devices=args.devices, strategy="ddp", max_epochs=args.epochs, max_steps=args.max_steps,
         logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-        callbacks=[FaultTolerance(), ModelCheckpoint(dirpath=args.ckpt_dir, every_n_train_steps=1, save_last=True)],
+        callbacks=[FaultTolerance(), ModelCheckpoint(dirpath=args.ckpt_dir, every_n_train_steps=1, save_last=True),
+                   KillAt()],
     )  # fmt: skip
     trainer.fit(Seen(), ckpt_path="last")
     return 0
@@ -337,6 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data-job", action="store_true", help="record the samples seen (world-size test)")
     parser.add_argument("--samples", type=int, default=50)
     parser.add_argument("--max-steps", type=int, default=-1)
+    parser.add_argument("--streaming", default=None, help="data job: a StreamingDataset URL of the sample ids")
+    parser.add_argument("--kill-at", type=int, default=-1, help="data job: SIGKILL the job at this global step")
     args = parser.parse_args(argv)
     return _data_job(args) if args.data_job else _job(args)
 
