@@ -195,6 +195,17 @@ def render_headline(results_dir: Path = RESULTS_DIR) -> str:
             f"{times(m['ours']['step_vs_none'])} of no augmentation"
         )
 
+    def data(r: dict[str, Any]) -> str:
+        f = r["figures"]
+        text = (
+            f"[Streaming data](docs/data.md): Fashion-MNIST streamed from S3 (a local server) at "
+            f"{times(f['s3_steady_vs_local_shards'])} the samples/s of the same shards on local disk once cached, "
+            f"{times(f['s3_first_vs_local_shards'])} in the first epoch"
+        )
+        if "s3_vs_litdata_steady" in f:
+            text += f"; {times(f['s3_vs_litdata_steady'])} litdata's samples/s (its faster setting)"
+        return text
+
     def pruning(r: dict[str, Any]) -> str:
         f = r["figures"]
         top = max((k.removeprefix("cnn_magnitude_") for k in f if k.startswith("cnn_magnitude_")), key=float)
@@ -263,6 +274,7 @@ def render_headline(results_dir: Path = RESULTS_DIR) -> str:
     item("distillation.json", distillation)
     item("pruning.json", pruning)
     item("augmentation.json", augmentation)
+    item("data.json", data)
     item("fusion.json", fusion)
     item("chaos.json", chaos)
     item("conformance.json", conformance)
@@ -271,7 +283,7 @@ def render_headline(results_dir: Path = RESULTS_DIR) -> str:
 
 
 _RESULTS_OF_HEADLINE = ("zero.json", "compression.json", "precision*.json", "distillation.json", "pruning.json",
-                        "augmentation.json", "fusion.json", "chaos.json", "conformance.json")  # fmt: skip
+                        "augmentation.json", "data.json", "fusion.json", "chaos.json", "conformance.json")  # fmt: skip
 
 #: Every figure block, by key: its renderer, the docs it belongs in, the results files it reads.
 BLOCKS: dict[str, Block] = {
@@ -299,6 +311,7 @@ BLOCKS: dict[str, Block] = {
         Block("distillation", _module("benchmarks.distillation"), ("docs/distillation.md",), ("distillation.json",)),
         Block("pruning", _module("benchmarks.pruning"), ("docs/pruning.md",), ("pruning.json",)),
         Block("augmentation", _module("benchmarks.augmentation"), ("docs/augmentation.md",), ("augmentation.json",)),
+        Block("data", _module("benchmarks.data"), ("docs/data.md",), ("data.json",)),
         Block(
             "structured-peer",
             _marked("benchmarks.structured_peer", "structured_peer.json", "structured-peer"),
