@@ -50,7 +50,7 @@ demo: venv data
 # the figure blocks of README.md and docs/*.md from them). chaos (about 45 min) and structured_peer (minutes) run
 # too; conformance does not: it is the models x techniques correctness matrix (over an hour; `make test` runs its
 # fast subset), re-run with `python -m benchmarks.conformance [--merge --families ... --cells ...]`.
-BENCHES := ddp zero zero_memory precision compression onebit_adam distillation pruning augmentation data fusion structured_peer chaos
+BENCHES := ddp zero zero_memory precision compression onebit_adam distillation pruning augmentation randaugment data fusion structured_peer chaos
 # structured_peer has no --quick (a full run is minutes).
 QUICK_BENCHES := $(filter-out structured_peer,$(BENCHES))
 

@@ -312,6 +312,7 @@ BLOCKS: dict[str, Block] = {
         Block("pruning", _module("benchmarks.pruning"), ("docs/pruning.md",), ("pruning.json",)),
         Block("augmentation", _module("benchmarks.augmentation"), ("docs/augmentation.md",), ("augmentation.json",)),
         Block("data", _module("benchmarks.data"), ("docs/data.md",), ("data.json",)),
+        Block("randaugment", _module("benchmarks.randaugment"), ("docs/augmentation.md",), ("randaugment.json",)),
         Block(
             "structured-peer",
             _marked("benchmarks.structured_peer", "structured_peer.json", "structured-peer"),

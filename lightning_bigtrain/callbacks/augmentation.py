@@ -14,7 +14,14 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
 from lightning_bigtrain._logging import is_logging_step
-from lightning_bigtrain.functional.augmentation import Mixed, mix_batch, mixed_targets, random_erasing, token_mask
+from lightning_bigtrain.functional.augmentation import (
+    Mixed,
+    mix_batch,
+    mixed_targets,
+    rand_augment,
+    random_erasing,
+    token_mask,
+)
 from lightning_bigtrain.functional.rng import fold_seed
 
 __all__ = ["BatchAugmentation"]
@@ -37,9 +44,10 @@ def _fraction(name: str, value: Any, *, low_open: bool = False, high: float = 1.
 class BatchAugmentation(L.Callback):
     """Augment each training batch as a whole on its device, each sample with its own random parameters.
 
-    MixUp (``mixup=alpha``), CutMix (``cutmix=alpha``; with both, each sample picks CutMix with probability
-    ``switch_prob``), random erasing (``erasing=p``) for image batches, and token masking (``token_mask=p``) for
-    integer token batches. The formulas and papers are in :mod:`lightning_bigtrain.functional.augmentation`.
+    RandAugment (``rand_augment=N`` operations per sample at ``magnitude``, on images whose black and white are
+    ``value_range``), MixUp (``mixup=alpha``), CutMix (``cutmix=alpha``; with both, each sample picks CutMix with
+    probability ``switch_prob``), random erasing (``erasing=p``) for image batches, in that order, and token masking
+    (``token_mask=p``) for integer token batches. The formulas and papers are in :mod:`lightning_bigtrain.functional.augmentation`.
     Validation, test and predict batches are left alone.
 
     **Where it acts.** After the batch reaches the device: the callback wraps the ``on_after_batch_transfer`` hook
@@ -75,6 +83,10 @@ class BatchAugmentation(L.Callback):
         cutmix: CutMix's Beta ``alpha`` (0: off; 1.0 is usual).
         switch_prob: With both on, the probability that a sample gets CutMix rather than MixUp.
         erasing: Probability that a sample gets a random-erasing box.
+        rand_augment: RandAugment operations per sample (0: off; 2 is usual).
+        magnitude: RandAugment's magnitude, 0..30 (9 is usual).
+        value_range: The input values of black and white, for RandAugment (``(0, 1)`` for images in [0, 1];
+            standardised images: ``((0 - mean) / std, (1 - mean) / std)``). Inputs outside it are refused.
         token_mask: Probability that an input token is replaced by ``mask_token``.
         mask_token: The id that masked tokens take (needed with ``token_mask``).
         num_classes: Classes of the targets, to mix them as probabilities; ``None`` mixes the loss instead.
@@ -92,6 +104,9 @@ class BatchAugmentation(L.Callback):
         *,
         switch_prob: float = 0.5,
         erasing: float = 0.0,
+        rand_augment: int = 0,
+        magnitude: int = 9,
+        value_range: tuple[float, float] = (0.0, 1.0),
         token_mask: float = 0.0,
         mask_token: int | None = None,
         num_classes: int | None = None,
@@ -106,6 +121,17 @@ class BatchAugmentation(L.Callback):
         self.mixup, self.cutmix = float(mixup), float(cutmix)
         self.switch_prob = _fraction("switch_prob", switch_prob)
         self.erasing = _fraction("erasing", erasing)
+        if isinstance(rand_augment, bool) or not isinstance(rand_augment, int) or rand_augment < 0:
+            raise ValueError(f"`BatchAugmentation(rand_augment={rand_augment!r})`: operations per sample, an int >= 0.")
+        if isinstance(magnitude, bool) or not isinstance(magnitude, int) or not 0 <= magnitude <= 30:
+            raise ValueError(f"`BatchAugmentation(magnitude={magnitude!r})`: RandAugment's magnitude, an int in [0, 30].")
+        try:
+            low, high = (float(v) for v in value_range)
+        except (TypeError, ValueError):
+            low, high = 0.0, -1.0
+        if not low < high:
+            raise ValueError(f"`BatchAugmentation(value_range={value_range!r})`: pass (black, white) with black < white.")
+        self.rand_augment, self.magnitude, self.value_range = rand_augment, magnitude, (low, high)
         self.token_mask = _fraction("token_mask", token_mask, high_open=True)
         self.until = _fraction("until", until, low_open=True)
         if self.token_mask and (isinstance(mask_token, bool) or not isinstance(mask_token, int) or mask_token < 0):
@@ -113,15 +139,15 @@ class BatchAugmentation(L.Callback):
                 f"`BatchAugmentation(token_mask={token_mask}, mask_token={mask_token!r})`: pass the id that masked "
                 "tokens take, an int >= 0."
             )
-        if self.token_mask and (self.mixup or self.cutmix or self.erasing):
+        if self.token_mask and (self.mixup or self.cutmix or self.erasing or self.rand_augment):
             raise ValueError(
-                "`BatchAugmentation(token_mask=...)` is for token batches and mixup/cutmix/erasing for image batches: "
-                "pass one kind."
+                "`BatchAugmentation(token_mask=...)` is for token batches and rand_augment/mixup/cutmix/erasing for "
+                "image batches: pass one kind."
             )
-        if not (self.mixup or self.cutmix or self.erasing or self.token_mask):
+        if not (self.mixup or self.cutmix or self.erasing or self.token_mask or self.rand_augment):
             raise ValueError(
-                "`BatchAugmentation()` with every augmentation off does nothing: pass mixup=, cutmix=, erasing= or "
-                "token_mask=."
+                "`BatchAugmentation()` with every augmentation off does nothing: pass rand_augment=, mixup=, cutmix=, "
+                "erasing= or token_mask=."
             )
         if num_classes is not None and (isinstance(num_classes, bool) or not isinstance(num_classes, int)
                                         or num_classes < 2):  # fmt: skip
@@ -137,6 +163,7 @@ class BatchAugmentation(L.Callback):
         self._pending: tuple[torch.Tensor, Mixed] | None = None  # loss mixing: (targets, what mix_batch did)
         self._lam = 1.0
         self._checked = False
+        self._range_checked = False
         self._stepped = False  # a training_step has run on soft targets (a later failure is not about their form)
         self._soft_now = False  # this step's targets were made class probabilities
         self._trainer_ref: L.Trainer | None = None
@@ -243,12 +270,29 @@ class BatchAugmentation(L.Callback):
                     f"`BatchAugmentation(mixup/cutmix/erasing)` mixes floating-point inputs; these are {inputs.dtype} "
                     "(token ids?). Use token_mask= for token batches."
                 )
-            if (self.cutmix or self.erasing) and inputs.dim() < 3:
+            if (self.cutmix or self.erasing or self.rand_augment) and not 3 <= inputs.dim() <= 4:
                 raise ValueError(
-                    f"`BatchAugmentation(cutmix/erasing)` cuts boxes out of images [batch, (channels,) height, width]; "
-                    f"the inputs have shape {tuple(inputs.shape)}. Use mixup= alone for flat inputs."
+                    f"`BatchAugmentation(rand_augment/cutmix/erasing)` works on images [batch, (channels,) height, "
+                    f"width]; the inputs have shape {tuple(inputs.shape)}. Use mixup= alone for flat inputs."
                 )
         self._checked = True
+
+    def _check_range(self, inputs: torch.Tensor) -> None:
+        """Inputs beyond ``value_range`` (standardised images with the default (0, 1)) would be clipped to black or
+        white by every RandAugment operation: refused, with the range the inputs have. Checked on the first
+        batch only (on an accelerator the check waits for the device)."""
+        if self._range_checked:
+            return
+        self._range_checked = True
+        low, high = self.value_range
+        slack = 1e-3 * (high - low)
+        lo, hi = float(inputs.amin()), float(inputs.amax())
+        if lo < low - slack or hi > high + slack:
+            raise ValueError(
+                f"`BatchAugmentation(rand_augment={self.rand_augment}, value_range={self.value_range})`: this batch's "
+                f"inputs span [{lo:.3g}, {hi:.3g}]. Pass the values your images give black and white, e.g. "
+                "value_range=((0 - mean) / std, (1 - mean) / std) for images standardised with mean and std."
+            )
 
     def _soft_step(self, original: Any, *args: Any, **kwargs: Any) -> Any:
         soft, self._soft_now = self._soft_now, False
@@ -279,6 +323,10 @@ class BatchAugmentation(L.Callback):
             self._lam = 1.0
             return self._put(batch, self.input_key, token_mask(inputs, generator, self.token_mask, self.mask_token))
         lam = 1.0
+        if self.rand_augment:
+            self._check_range(inputs)
+            inputs = rand_augment(inputs, rng, num_ops=self.rand_augment, magnitude=self.magnitude,
+                                  value_range=self.value_range)  # fmt: skip
         if self.mixes:
             targets = self._get(batch, self.target_key, "target_key")
             mixed = mix_batch(inputs, rng, mixup=self.mixup, cutmix=self.cutmix, switch_prob=self.switch_prob,

@@ -14,6 +14,13 @@ the per-pixel noise of random erasing comes from a ``torch.Generator`` on the ba
 - Token masking (as BERT's masked inputs, Devlin et al., 2019, without the loss on masked positions): each input
   token replaced by ``mask_token`` with probability ``p``; the targets stay.
 
+- RandAugment (Cubuk et al., 2020, "RandAugment: Practical automated data augmentation with a reduced search
+  space"): ``num_ops`` operations per sample drawn uniformly from a fixed list, all at one magnitude ``m`` of 30
+  levels, each with a random sign; the magnitude scales are RandAugment's (rotation up to 30 degrees, shear up to
+  0.3, translation up to 150/331 of the side, colour factors 1 +- 0.9, posterize down to 4 bits, solarize
+  threshold down to 0). Here each *sample* draws its own operations and signs (torchvision v2 and kornia draw the
+  operations once per batch); equalize is the exact rank transform of each channel (a continuous histogram).
+
 The partner ``j`` of sample ``i`` is the next sample in the batch (``roll`` by one), as torchvision's and timm's
 batch mixing do.
 """
@@ -26,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-__all__ = ["Mixed", "mix_batch", "mixed_targets", "random_erasing", "token_mask"]
+__all__ = ["RAND_AUGMENT_OPS", "Mixed", "mix_batch", "mixed_targets", "rand_augment", "random_erasing", "token_mask"]
 
 
 @dataclass
@@ -166,3 +173,145 @@ def token_mask(tokens: torch.Tensor, generator: torch.Generator, p: float, mask_
     """Each token replaced by ``mask_token`` with probability ``p`` (a new tensor)."""
     drop = torch.rand(tokens.shape, generator=generator, device=tokens.device) < p
     return torch.where(drop, torch.full_like(tokens, mask_token), tokens)
+
+
+#: RandAugment's operations (``color`` only for 3-channel images).
+RAND_AUGMENT_OPS = ("identity", "autocontrast", "equalize", "rotate", "solarize", "color", "posterize", "contrast",
+                    "brightness", "sharpness", "shear_x", "shear_y", "translate_x", "translate_y")  # fmt: skip
+_GEOMETRIC = ("rotate", "shear_x", "shear_y", "translate_x", "translate_y")
+_MAX_LEVEL = 30.0
+
+
+def _grey(u: torch.Tensor) -> torch.Tensor:
+    """[N, 1, H, W] luminance (ITU-R 601-2 weights as torchvision rounds them for 3 channels, else the mean)."""
+    if u.shape[1] == 3:
+        w = torch.tensor([0.2989, 0.587, 0.114], dtype=u.dtype, device=u.device).view(1, 3, 1, 1)
+        return (u * w).sum(1, keepdim=True)
+    return u.mean(1, keepdim=True)
+
+
+def _blend(u: torch.Tensor, other: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """``other + factor (u - other)``, clamped to [0, 1] (factor 0: ``other``, 1: ``u``)."""
+    return torch.lerp(other, u, factor.view(-1, 1, 1, 1)).clamp_(0.0, 1.0)
+
+
+def _sharpen(u: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """PIL's sharpness: blend with the image smoothed by [[1, 1, 1], [1, 5, 1], [1, 1, 1]] / 13 (border kept)."""
+    c = u.shape[1]
+    kernel = torch.ones(3, 3, dtype=u.dtype, device=u.device)
+    kernel[1, 1] = 5.0
+    kernel = (kernel / 13.0).expand(c, 1, 3, 3)
+    smooth = u.clone()
+    if u.shape[-1] > 2 and u.shape[-2] > 2:
+        smooth[..., 1:-1, 1:-1] = torch.nn.functional.conv2d(u, kernel, groups=c)
+    return _blend(u, smooth, factor)
+
+
+def _equalize(u: torch.Tensor) -> torch.Tensor:
+    """Each channel's values mapped to their empirical CDF, rescaled so the darkest value maps to 0."""
+    flat = u.flatten(2)
+    ordered, _ = flat.sort(dim=-1)
+    cdf = torch.searchsorted(ordered.contiguous(), flat.contiguous(), right=True).to(u.dtype) / flat.shape[-1]
+    low = cdf.amin(dim=-1, keepdim=True)
+    spread = (1.0 - low).clamp_min(1e-12)
+    out = torch.where(low < 1.0, (cdf - low) / spread, flat)  # a constant channel stays as it is
+    return out.view_as(u)
+
+
+def _autocontrast(u: torch.Tensor) -> torch.Tensor:
+    low = u.amin(dim=(-2, -1), keepdim=True)
+    high = u.amax(dim=(-2, -1), keepdim=True)
+    spread = high - low
+    return torch.where(spread > 0, (u - low) / spread.clamp_min(1e-12), u)
+
+
+def _affine(u: torch.Tensor, ops: np.ndarray, signed: np.ndarray, level: float) -> torch.Tensor:
+    """One ``grid_sample`` for the samples of a geometric operation each (nearest pixel, black outside).
+    ``affine_grid`` works in normalised coordinates, so pixel offsets are scaled by the side they run along."""
+    n, _, height, width = u.shape
+    theta = np.zeros((n, 2, 3))
+    theta[:, 0, 0] = theta[:, 1, 1] = 1.0
+    angle = np.radians(30.0 * level * signed)
+    rot = ops == "rotate"
+    theta[rot, 0, 0], theta[rot, 0, 1] = np.cos(angle[rot]), -np.sin(angle[rot]) * height / width
+    theta[rot, 1, 0], theta[rot, 1, 1] = np.sin(angle[rot]) * width / height, np.cos(angle[rot])
+    theta[ops == "shear_x", 0, 1] = (0.3 * level * signed * height / width)[ops == "shear_x"]
+    theta[ops == "shear_y", 1, 0] = (0.3 * level * signed * width / height)[ops == "shear_y"]
+    shift = 2.0 * (150.0 / 331.0) * level * signed
+    theta[ops == "translate_x", 0, 2] = shift[ops == "translate_x"]
+    theta[ops == "translate_y", 1, 2] = shift[ops == "translate_y"]
+    grid = torch.nn.functional.affine_grid(torch.as_tensor(theta, dtype=u.dtype, device=u.device), list(u.shape),
+                                           align_corners=False)  # fmt: skip
+    return torch.nn.functional.grid_sample(u, grid, mode="nearest", padding_mode="zeros", align_corners=False)
+
+
+def _apply(op: str, u: torch.Tensor, signed: torch.Tensor, level: float) -> torch.Tensor:
+    """``op`` at ``level`` (0..1 of RandAugment's range) on images in [0, 1], ``signed`` +-1 per sample."""
+    factor = (1.0 + 0.9 * level * signed).to(u.dtype)
+    if op == "brightness":
+        return _blend(u, torch.zeros_like(u), factor)
+    if op == "contrast":
+        return _blend(u, _grey(u).mean(dim=(-3, -2, -1), keepdim=True).expand_as(u), factor)
+    if op == "color":
+        return _blend(u, _grey(u).expand_as(u), factor)
+    if op == "sharpness":
+        return _sharpen(u, factor)
+    if op == "posterize":
+        shift = int(round(4 * level))
+        q = (u * 255.0).round_().to(torch.uint8)
+        return ((q >> shift) << shift).to(u.dtype) / 255.0
+    if op == "solarize":
+        threshold = 1.0 - level
+        return torch.where(u >= threshold, 1.0 - u, u)
+    if op == "autocontrast":
+        return _autocontrast(u)
+    if op == "equalize":
+        return _equalize(u)
+    return u  # identity
+
+
+def rand_augment(
+    inputs: torch.Tensor,
+    rng: np.random.Generator,
+    *,
+    num_ops: int = 2,
+    magnitude: int = 9,
+    value_range: tuple[float, float] = (0.0, 1.0),
+) -> torch.Tensor:
+    """RandAugment with each sample's own operations (a new tensor).
+
+    Args:
+        inputs: Floating-point images ``[B, C, H, W]`` or ``[B, H, W]`` whose pixels span ``value_range``.
+        rng: The step's generator (operations and signs).
+        num_ops: Operations per sample (drawn with replacement, as RandAugment does).
+        magnitude: 0..30, RandAugment's ``m``.
+        value_range: What black and white are in ``inputs`` (standardised images: ``((0 - mean) / std,
+            (1 - mean) / std)``); the operations work on [0, 1] and the result is mapped back.
+    """
+    squeeze = inputs.dim() == 3
+    x = inputs.unsqueeze(1) if squeeze else inputs
+    low, high = value_range
+    u = ((x - low) / (high - low)).clamp(0.0, 1.0)
+    ops = [op for op in RAND_AUGMENT_OPS if op != "color" or x.shape[1] == 3]
+    batch = x.shape[0]
+    level = magnitude / _MAX_LEVEL
+    names = np.array(ops)
+    for _ in range(num_ops):
+        chosen = names[rng.integers(0, len(ops), size=batch)]
+        signs = np.where(rng.random(batch) < 0.5, -1.0, 1.0)
+        out = u.clone()
+        geometric = np.flatnonzero(np.isin(chosen, _GEOMETRIC))
+        if len(geometric):
+            idx = torch.as_tensor(geometric, device=u.device)
+            out[idx] = _affine(u[idx], chosen[geometric], signs[geometric], level)
+        for op in ops:
+            if op in _GEOMETRIC or op == "identity":
+                continue
+            members = np.flatnonzero(chosen == op)
+            if len(members) == 0:
+                continue
+            idx = torch.as_tensor(members, device=u.device)
+            out[idx] = _apply(op, u[idx], torch.as_tensor(signs[members], device=u.device), level)
+        u = out
+    y = u * (high - low) + low
+    return y.squeeze(1) if squeeze else y.to(inputs.dtype)

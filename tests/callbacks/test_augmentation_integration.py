@@ -144,7 +144,8 @@ def test_a_run_resumed_mid_epoch_draws_what_the_uninterrupted_run_drew(tmp_path)
         module = _Classifier()
         saves = [ModelCheckpoint(dirpath=tmp_path, filename="{step}", every_n_train_steps=3, save_top_k=-1),
                  FaultTolerance()]  # mid-epoch data position  # fmt: skip
-        augment = BatchAugmentation(mixup=0.4, cutmix=1.0, erasing=0.5, num_classes=4)
+        augment = BatchAugmentation(mixup=0.4, cutmix=1.0, erasing=0.5, rand_augment=2, value_range=(-6.0, 6.0),
+                                    num_classes=4)  # fmt: skip
         trainer = L.Trainer(max_steps=7, callbacks=[augment, *saves], limit_val_batches=0,
                             **{**_QUIET, "enable_checkpointing": True})  # fmt: skip
         trainer.fit(module, train_dataloaders=DataLoader(_images(), batch_size=16), ckpt_path=resume)
@@ -200,6 +201,21 @@ def test_bad_arguments_are_refused_at_construction():
         BatchAugmentation(token_mask=0.1, mask_token=0, mixup=0.2)
     with pytest.raises(ValueError, match=r"num_classes=1\)`: pass an int >= 2"):
         BatchAugmentation(mixup=0.2, num_classes=1)
+    with pytest.raises(ValueError, match=r"magnitude=31\)`: RandAugment's magnitude"):
+        BatchAugmentation(rand_augment=2, magnitude=31)
+    with pytest.raises(ValueError, match=r"value_range=\(1, 0\)\)`: pass \(black, white\)"):
+        BatchAugmentation(rand_augment=2, value_range=(1, 0))
+    with pytest.raises(ValueError, match="pass one kind"):
+        BatchAugmentation(token_mask=0.1, mask_token=0, rand_augment=1)
+
+
+def test_rand_augment_refuses_inputs_outside_value_range_at_the_first_step():
+    """Standardised images with the default value_range (0, 1) would be clipped to black and white."""
+    with pytest.raises(ValueError, match=r"inputs span \[-.*value_range=\(\(0 - mean\) / std"):
+        _fit(_Classifier(), BatchAugmentation(rand_augment=2), limit_val_batches=0)
+    module = _Classifier()
+    _fit(module, BatchAugmentation(rand_augment=2, magnitude=15, value_range=(-6.0, 6.0)), limit_val_batches=0)
+    assert len(module.seen) == 4 and all(s["y"].dim() == 1 for s in module.seen)  # targets untouched
 
 
 def _two_ranks(rank: int, kd: bool) -> dict[str, Any]:  # kd=False: the mixed loss alone

@@ -7,7 +7,16 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_bigtrain.functional.augmentation import mix_batch, mixed_targets, random_erasing, token_mask
+from lightning_bigtrain.functional.augmentation import (
+    _affine,
+    _apply,
+    _equalize,
+    mix_batch,
+    mixed_targets,
+    rand_augment,
+    random_erasing,
+    token_mask,
+)
 
 
 def _images(batch: int = 64) -> torch.Tensor:
@@ -80,3 +89,94 @@ def test_token_mask_replaces_a_p_share_of_tokens():
     masked = out == 0
     assert 0.12 < float(masked.float().mean()) < 0.18
     assert torch.equal(out[~masked], tokens[~masked])
+
+
+def _unit_images(batch: int = 8, channels: int = 3) -> torch.Tensor:
+    return torch.rand(batch, channels, 12, 16, generator=torch.Generator().manual_seed(7))
+
+
+@pytest.mark.parametrize("channels", [1, 3])
+@pytest.mark.parametrize(
+    ("op", "reference"),
+    [
+        ("brightness", lambda F, x, f: F.adjust_brightness(x, f)),
+        ("contrast", lambda F, x, f: F.adjust_contrast(x, f)),
+        ("color", lambda F, x, f: F.adjust_saturation(x, f)),
+        ("sharpness", lambda F, x, f: F.adjust_sharpness(x, f)),
+        ("autocontrast", lambda F, x, f: F.autocontrast(x)),
+    ],
+)
+def test_colour_operations_match_torchvisions(op, reference, channels):
+    """Each sample's own factor (1 +- 0.9 level) gives what torchvision v2's functional op gives that sample."""
+    from torchvision.transforms.v2 import functional as F
+
+    if op == "color" and channels == 1:
+        pytest.skip("saturation is for 3-channel images")
+    x = _unit_images(channels=channels)
+    signs = torch.tensor([1.0, -1.0] * 4)
+    out = _apply(op, x, signs, level=0.5)
+    for i in range(len(x)):
+        factor = float(1 + 0.9 * 0.5 * signs[i])
+        torch.testing.assert_close(out[i], reference(F, x[i], factor), atol=2e-6, rtol=0)
+
+
+def test_solarize_posterize_and_geometry_match_torchvisions():
+    from torchvision.transforms import InterpolationMode
+    from torchvision.transforms.v2 import functional as F
+
+    x = _unit_images()
+    ones = torch.ones(len(x))
+    torch.testing.assert_close(_apply("solarize", x, ones, level=0.4), F.solarize(x, 0.6))
+    q = (x * 255).round().to(torch.uint8)
+    expected = F.posterize(q, 8 - 2).float() / 255  # level 0.5: 2 bits dropped
+    torch.testing.assert_close(_apply("posterize", x, ones, level=0.5), expected)
+    # Rotation and translation as torchvision's affine (nearest pixel, black outside); pixels on the rounding edge
+    # of nearest sampling may differ, so compare most of them.
+    ops = np.array(["rotate", "translate_x", "translate_y", "shear_x"] * 2)
+    signs = np.array([1.0, -1.0] * 4)
+    out = _affine(x, ops, signs, level=0.5)
+    for i, op in enumerate(ops):
+        s = float(signs[i])
+        kwargs = {"angle": 0.0, "translate": [0, 0], "scale": 1.0, "shear": [0.0, 0.0],
+                  "interpolation": InterpolationMode.NEAREST, "fill": 0.0}  # fmt: skip
+        if op == "rotate":
+            kwargs["angle"] = -15.0 * s  # torchvision's angle is counter-clockwise
+        elif op == "translate_x":
+            kwargs["translate"] = [int(round(-150 / 331 * 0.5 * s * 16)), 0]
+        elif op == "translate_y":
+            kwargs["translate"] = [0, int(round(-150 / 331 * 0.5 * s * 12))]
+        else:
+            continue  # shear's sign and centre conventions differ; its range is checked below
+        ref = F.affine(x[i], **kwargs)
+        assert (out[i] - ref).abs().lt(1e-6).float().mean() > 0.85, op
+    assert not torch.equal(out[3], x[3])
+
+
+def test_equalize_spreads_each_channel_over_the_range_and_keeps_its_order():
+    x = torch.rand(2, 3, 10, 10, generator=torch.Generator().manual_seed(0)) ** 3  # dark, skewed
+    out = _equalize(x)
+    flat_in, flat_out = x.flatten(2), out.flatten(2)
+    order = flat_in.argsort(-1)
+    assert torch.all(flat_out.gather(-1, order).diff(dim=-1) >= 0)  # monotone
+    assert torch.allclose(flat_out.amin(-1), torch.zeros(2, 3)) and torch.allclose(flat_out.amax(-1), torch.ones(2, 3))
+    assert abs(float(flat_out.mean()) - 0.5) < 0.02  # uniform
+    constant = torch.full((1, 1, 4, 4), 0.3)
+    assert torch.equal(_equalize(constant), constant)
+
+
+def test_rand_augment_draws_per_sample_stays_in_range_and_is_reproducible():
+    low, high = -0.81, 2.02  # standardised Fashion-MNIST's black and white
+    x = _unit_images(batch=64, channels=1) * (high - low) + low
+    x[1] = x[0]
+    out = rand_augment(x, np.random.default_rng(3), num_ops=2, magnitude=9, value_range=(low, high))
+    assert out.shape == x.shape and out.dtype == x.dtype
+    assert float(out.min()) >= low - 1e-5 and float(out.max()) <= high + 1e-5
+    again = rand_augment(x, np.random.default_rng(3), num_ops=2, magnitude=9, value_range=(low, high))
+    assert torch.equal(out, again)
+    changed = (out != x).flatten(1).any(1)
+    assert changed.float().mean() > 0.7  # identity twice is rare
+    same_input_differs = [not torch.equal(o[0], o[1]) for o in (
+        rand_augment(x[:2], np.random.default_rng(s), num_ops=2, value_range=(low, high)) for s in range(8))]
+    assert sum(same_input_differs) >= 5  # two copies of one image mostly get different operations
+    flat = rand_augment(x[:, 0], np.random.default_rng(3), num_ops=2, value_range=(low, high))
+    assert flat.shape == x[:, 0].shape
