@@ -73,21 +73,30 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for shape_name, shape in SHAPES.items():
         x = torch.rand(*shape, generator=torch.Generator().manual_seed(0))
 
-        def timed(fn: Any) -> Any:
-            def run() -> float:
+        failed: dict[str, str] = {}  # an implementation that raises on this shape (at any draw) is recorded as such
+
+        def timed(name: str, fn: Any) -> Any:
+            def run() -> float | None:
                 t0 = time.perf_counter()
-                fn(x)
+                try:
+                    fn(x)
+                except (ValueError, RuntimeError) as err:
+                    failed.setdefault(name, f"{type(err).__name__}: {str(err).splitlines()[0][:200]}")
+                    return None
                 return time.perf_counter() - t0
 
             return run
 
-        for fn in impls.values():  # warm-up
+        for name, fn in impls.items():  # warm-up
             for _ in range(5):
-                fn(x)
-        times = alternate({name: timed(fn) for name, fn in impls.items()}, repeats)
+                timed(name, fn)()
+        times = alternate({name: timed(name, fn) for name, fn in impls.items()}, repeats)
+        for name, error in failed.items():
+            print(f"{name} on {tuple(shape)}: {error}")
+        times = {name: t for name, t in times.items() if name not in failed}
         medians = {name: statistics.median(t) for name, t in times.items()}
         figures["shapes"][shape_name] = {"shape": list(shape), "median_s": medians, "times_s": times,
-                                         "ours_vs": {n: medians["ours"] / m for n, m in medians.items()}}  # fmt: skip
+                                         "failed": failed}  # fmt: skip
         for name, m in medians.items():
             rows.append({"shape": "x".join(map(str, shape)), "implementation": name, "ms per batch": 1000 * m,
                          "vs ours": m / medians["ours"]})  # fmt: skip
@@ -124,7 +133,8 @@ def render_block(results_dir: Path = RESULTS_DIR) -> str:
         measured_line(results, "randaugment.json", results_dir),
         "",
         f"RandAugment, {c['num_ops']} operations at magnitude {c['magnitude']}, one process, 2 threads; the median "
-        f"time of one batch over {c['repeats']} batches, in ms (and over ours).",
+        f"time of one batch over {c['repeats']} batches, in ms (and over ours); an implementation that raised on a "
+        "shape is marked (the error is in the results file).",
         "",
         "| implementation | " + " | ".join("x".join(map(str, f["shapes"][s]["shape"])) for s in shapes) + " |",
         "|---|" + "---|" * len(shapes),
@@ -133,7 +143,7 @@ def render_block(results_dir: Path = RESULTS_DIR) -> str:
         cells = []
         for s in shapes:
             m = f["shapes"][s]["median_s"]
-            cells.append(f"{1000 * m[name]:.2f} ({m[name] / m['ours']:.2f}x)")
+            cells.append(f"{1000 * m[name]:.2f} ({m[name] / m['ours']:.2f}x)" if name in m else "refused the input")
         lines.append(f"| {names.get(name, name)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -19,7 +19,7 @@ the per-pixel noise of random erasing comes from a ``torch.Generator`` on the ba
   levels, each with a random sign; the magnitude scales are RandAugment's (rotation up to 30 degrees, shear up to
   0.3, translation up to 150/331 of the side, colour factors 1 +- 0.9, posterize down to 4 bits, solarize
   threshold down to 0). Here each *sample* draws its own operations and signs (torchvision v2 and kornia draw the
-  operations once per batch); equalize is the exact rank transform of each channel (a continuous histogram).
+  operations once per batch); images are taken to 8 bits for posterize and equalize, as PIL does.
 
 The partner ``j`` of sample ``i`` is the next sample in the batch (``roll`` by one), as torchvision's and timm's
 batch mixing do.
@@ -208,14 +208,22 @@ def _sharpen(u: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
 
 
 def _equalize(u: torch.Tensor) -> torch.Tensor:
-    """Each channel's values mapped to their empirical CDF, rescaled so the darkest value maps to 0."""
-    flat = u.flatten(2)
-    ordered, _ = flat.sort(dim=-1)
-    cdf = torch.searchsorted(ordered.contiguous(), flat.contiguous(), right=True).to(u.dtype) / flat.shape[-1]
-    low = cdf.amin(dim=-1, keepdim=True)
-    spread = (1.0 - low).clamp_min(1e-12)
-    out = torch.where(low < 1.0, (cdf - low) / spread, flat)  # a constant channel stays as it is
-    return out.view_as(u)
+    """PIL's histogram equalization of each channel at 8 bits (what torchvision's ``equalize`` computes), for all
+    samples and channels with one ``bincount``: the lookup table maps a level to its cumulative count, spread over
+    the levels above the darkest one; a channel with a single level stays as it is."""
+    n, c = u.shape[:2]
+    q = (u * 255.0).round_().to(torch.long).flatten(2)  # [N, C, HW]
+    offsets = torch.arange(n * c, device=u.device).view(n, c, 1) * 256
+    hist = torch.bincount((q + offsets).flatten(), minlength=n * c * 256).view(n, c, 256)
+    # PIL: step = (pixels - count of the highest level present) // 255; lut = (cumsum before + step // 2) // step
+    last = (hist > 0).to(torch.long).flip(-1).argmax(-1, keepdim=True)  # levels above the highest one present
+    top = hist.gather(-1, 255 - last)
+    step = torch.div(hist.sum(-1, keepdim=True) - top, 255, rounding_mode="floor")
+    before = hist.cumsum(-1) - hist
+    lut = torch.div(before + torch.div(step, 2, rounding_mode="floor"), step.clamp_min(1), rounding_mode="floor")
+    lut = lut.clamp_(0, 255)
+    out = lut.gather(-1, q).to(u.dtype) / 255.0
+    return torch.where(step.view(n, c, 1) > 0, out, q.to(u.dtype) / 255.0).view_as(u)
 
 
 def _autocontrast(u: torch.Tensor) -> torch.Tensor:
@@ -299,11 +307,12 @@ def rand_augment(
     for _ in range(num_ops):
         chosen = names[rng.integers(0, len(ops), size=batch)]
         signs = np.where(rng.random(batch) < 0.5, -1.0, 1.0)
-        out = u.clone()
+        # Each sample takes one operation per round, so the samples of different operations are disjoint and the
+        # results can be written back into ``u`` (a tensor of ours) in place.
         geometric = np.flatnonzero(np.isin(chosen, _GEOMETRIC))
         if len(geometric):
             idx = torch.as_tensor(geometric, device=u.device)
-            out[idx] = _affine(u[idx], chosen[geometric], signs[geometric], level)
+            u[idx] = _affine(u[idx], chosen[geometric], signs[geometric], level)
         for op in ops:
             if op in _GEOMETRIC or op == "identity":
                 continue
@@ -311,7 +320,6 @@ def rand_augment(
             if len(members) == 0:
                 continue
             idx = torch.as_tensor(members, device=u.device)
-            out[idx] = _apply(op, u[idx], torch.as_tensor(signs[members], device=u.device), level)
-        u = out
+            u[idx] = _apply(op, u[idx], torch.as_tensor(signs[members], device=u.device), level)
     y = u * (high - low) + low
     return y.squeeze(1) if squeeze else y.to(inputs.dtype)
