@@ -47,7 +47,8 @@ class BatchAugmentation(L.Callback):
     RandAugment (``rand_augment=N`` operations per sample at ``magnitude``, on images whose black and white are
     ``value_range``), MixUp (``mixup=alpha``), CutMix (``cutmix=alpha``; with both, each sample picks CutMix with
     probability ``switch_prob``), random erasing (``erasing=p``) for image batches, in that order, and token masking
-    (``token_mask=p``) for integer token batches. The formulas and papers are in :mod:`lightning_bigtrain.functional.augmentation`.
+    (``token_mask=p``) for integer token batches. The formulas and papers are in
+    :mod:`lightning_bigtrain.functional.augmentation`.
     Validation, test and predict batches are left alone.
 
     **Where it acts.** After the batch reaches the device: the callback wraps the ``on_after_batch_transfer`` hook
@@ -124,13 +125,17 @@ class BatchAugmentation(L.Callback):
         if isinstance(rand_augment, bool) or not isinstance(rand_augment, int) or rand_augment < 0:
             raise ValueError(f"`BatchAugmentation(rand_augment={rand_augment!r})`: operations per sample, an int >= 0.")
         if isinstance(magnitude, bool) or not isinstance(magnitude, int) or not 0 <= magnitude <= 30:
-            raise ValueError(f"`BatchAugmentation(magnitude={magnitude!r})`: RandAugment's magnitude, an int in [0, 30].")
+            raise ValueError(
+                f"`BatchAugmentation(magnitude={magnitude!r})`: RandAugment's magnitude, an int in [0, 30]."
+            )
         try:
             low, high = (float(v) for v in value_range)
         except (TypeError, ValueError):
             low, high = 0.0, -1.0
         if not low < high:
-            raise ValueError(f"`BatchAugmentation(value_range={value_range!r})`: pass (black, white) with black < white.")
+            raise ValueError(
+                f"`BatchAugmentation(value_range={value_range!r})`: pass (black, white) with black < white."
+            )
         self.rand_augment, self.magnitude, self.value_range = rand_augment, magnitude, (low, high)
         self.token_mask = _fraction("token_mask", token_mask, high_open=True)
         self.until = _fraction("until", until, low_open=True)

@@ -265,7 +265,7 @@ def _apply(op: str, u: torch.Tensor, signed: torch.Tensor, level: float) -> torc
     if op == "sharpness":
         return _sharpen(u, factor)
     if op == "posterize":
-        shift = int(round(4 * level))
+        shift = round(4 * level)
         q = (u * 255.0).round_().to(torch.uint8)
         return ((q >> shift) << shift).to(u.dtype) / 255.0
     if op == "solarize":

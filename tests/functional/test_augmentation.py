@@ -142,9 +142,9 @@ def test_solarize_posterize_and_geometry_match_torchvisions():
         if op == "rotate":
             kwargs["angle"] = -15.0 * s  # torchvision's angle is counter-clockwise
         elif op == "translate_x":
-            kwargs["translate"] = [int(round(-150 / 331 * 0.5 * s * 16)), 0]
+            kwargs["translate"] = [round(-150 / 331 * 0.5 * s * 16), 0]
         elif op == "translate_y":
-            kwargs["translate"] = [0, int(round(-150 / 331 * 0.5 * s * 12))]
+            kwargs["translate"] = [0, round(-150 / 331 * 0.5 * s * 12)]
         else:
             continue  # shear's sign and centre conventions differ; its range is checked below
         ref = F.affine(x[i], **kwargs)
@@ -173,8 +173,10 @@ def test_rand_augment_draws_per_sample_stays_in_range_and_is_reproducible():
     assert torch.equal(out, again)
     changed = (out != x).flatten(1).any(1)
     assert changed.float().mean() > 0.7  # identity twice is rare
-    same_input_differs = [not torch.equal(o[0], o[1]) for o in (
-        rand_augment(x[:2], np.random.default_rng(s), num_ops=2, value_range=(low, high)) for s in range(8))]
+    same_input_differs = [
+        not torch.equal(o[0], o[1])
+        for o in (rand_augment(x[:2], np.random.default_rng(s), num_ops=2, value_range=(low, high)) for s in range(8))
+    ]
     assert sum(same_input_differs) >= 5  # two copies of one image mostly get different operations
     flat = rand_augment(x[:, 0], np.random.default_rng(3), num_ops=2, value_range=(low, high))
     assert flat.shape == x[:, 0].shape
