@@ -244,6 +244,7 @@ def _with_state(
             "num_samples": len(dataset),
             "cursor": resumable.cursor(samples),
             "world_size": resumable.num_replicas,
+            "batch_size": batch_size,
             # A streaming order depends on the world size it was dealt out to; the cursor counts positions in it.
             **({"order_world_size": resumable.list_world_size()} if streaming else {}),  # type: ignore[attr-defined]
         }
@@ -275,6 +276,7 @@ def _with_state(
             resumable.order_world_size = int(state["order_world_size"])  # type: ignore[attr-defined]
         resumable.resume(int(state["epoch"]), int(state["cursor"]), counted)
         _refresh_limit(trainer, loader)
+        _warn_if_global_batch_changed(state, resumable.num_replicas, batch_size)
 
     loader.state_dict = state_dict
     loader.load_state_dict = load_state_dict
@@ -328,6 +330,26 @@ def _not_resumable(why: str) -> None:
         "mid-epoch replays the epoch from its start; give the loader `state_dict`/`load_state_dict` (torchdata's "
         "StatefulDataLoader with StatefulDistributedSampler) or checkpoint at epoch ends.",
         NoEffectWarning,
+    )
+
+
+def _warn_if_global_batch_changed(state: dict[str, Any], world_size: int, batch_size: int) -> None:
+    """A run resumed at another global batch (world size x per-rank batch) takes another number of optimizer steps
+    per epoch than the one it was planned with: an LR schedule sized in steps (OneCycleLR over
+    ``estimated_stepping_batches``) comes back from the checkpoint with the old length and runs past its end."""
+    before = int(state.get("world_size", world_size)) * int(state.get("batch_size", batch_size))
+    now = world_size * batch_size
+    if before == now:
+        return
+    from lightning_bigtrain.warnings import warn_once
+
+    warn_once(
+        f"Resumed with a global batch of {now} samples ({world_size} x {batch_size}) from a checkpoint taken at "
+        f"{before} ({state.get('world_size')} x {state.get('batch_size')}): the rest of the epoch takes another "
+        "number of optimizer steps, and an LR schedule sized in steps (e.g. OneCycleLR over "
+        "trainer.estimated_stepping_batches), restored with its old length, can run past its end. Keep "
+        "batch_size x devices the same across a world-size change to keep the steps.",
+        UserWarning,
     )
 
 
