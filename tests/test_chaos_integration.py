@@ -22,9 +22,11 @@ pytestmark = pytest.mark.integration
     [("ddp_cnn", 1), ("zero3_gpt", 3)],  # Lightning's DDP + FaultTolerance; ZeRO-3 (FSDP2 folders) with dropout
 )
 def test_killed_and_resumed_runs_end_bit_identical(setting, seed, tmp_path):
-    result = run_chaos(setting, tmp_path, kills=3, seed=seed)
+    # Two seeded kills per row; seeds 1 and 3 put them at all four points between them (step and
+    # save_after_commit; batch_start and save_before_commit). The whole matrix is benchmarks/chaos.py's.
+    result = run_chaos(setting, tmp_path, kills=2, seed=seed)
     assert not result.notes, result.notes  # every fault fired: each job was killed where it was meant to be
-    assert result.kills_survived == 3
+    assert result.kills_survived == 2
     assert result.mid_epoch_resumes >= 1, result.resumed_from
     assert result.identical, f"max |difference| {result.max_abs_diff}"
 
