@@ -297,6 +297,21 @@ def _kd(family: Family) -> dict[str, Any]:
     return {"strategy": "ddp", "callbacks": [KnowledgeDistillation(_build(family, 1234), temperature=2.0)]}
 
 
+#: Black and white of the Fashion-MNIST datamodule's standardised images.
+_FMNIST_RANGE = ((0 - 0.2860) / 0.3530, (1 - 0.2860) / 0.3530)
+
+
+def _augment(family: Family) -> dict[str, Any]:
+    """Images: RandAugment, MixUp and CutMix with the loss mixed (the module's training_step unchanged, one
+    forward); text: token masking."""
+    from lightning_bigtrain.callbacks import BatchAugmentation
+
+    if family.data == "text":
+        return {"strategy": "ddp", "callbacks": [BatchAugmentation(token_mask=0.1, mask_token=VOCAB - 1)]}
+    augment = BatchAugmentation(rand_augment=2, mixup=0.2, cutmix=1.0, value_range=_FMNIST_RANGE)
+    return {"strategy": "ddp", "callbacks": [augment]}
+
+
 def _magnitude(family: Family) -> dict[str, Any]:
     from lightning_bigtrain.callbacks import MagnitudePruning, PruningSchedule
 
@@ -348,6 +363,7 @@ CELLS: dict[str, Cell] = {
         Cell("bf16", _bf16, "parameters stored in bf16"),
         Cell("fusion", _fusion, "graphs compiled (compile='regional'), no eager fallback"),
         Cell("kd", _kd, "distill/kd_loss logged"),
+        Cell("augment", _augment, "every training batch augmented"),
         Cell("magnitude", _magnitude, "weight sparsity >= 0.45"),
         Cell("nm_2_4", _nm, "2:4 pattern on the pruned weights"),
         Cell("structured", _structured, "parameters removed"),
@@ -538,6 +554,12 @@ def _evidence(cell: str, trainer: L.Trainer, module: nn.Module, numel: int, stat
     if cell in ("kd", "all"):
         ev["kd_loss"] = float(trainer.callback_metrics.get("distill/kd_loss", float("nan")))
         ev["acted"] = ev.get("acted", True) and math.isfinite(ev["kd_loss"])
+    if cell == "augment":
+        from lightning_bigtrain.callbacks import BatchAugmentation
+
+        augment = next(c for c in trainer.callbacks if isinstance(c, BatchAugmentation))  # type: ignore[attr-defined]
+        ev["augmented_batches"] = augment.augmented_batches
+        ev["acted"] = augment.augmented_batches >= STEPS
     if cell in ("magnitude", "nm_2_4", "all"):
         sparsity, nm = _sparsity(trainer, module)
         ev["sparsity"] = round(sparsity, 3)

@@ -28,6 +28,7 @@ SUBSET = [
     ("timm_vit", "fusion"),
     ("tv_mobilenet_v3", "powersgd"),
     ("tv_resnet18", "nm_2_4"),
+    ("timm_convnext", "augment"),
 ]
 
 

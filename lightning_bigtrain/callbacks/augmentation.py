@@ -78,6 +78,7 @@ class BatchAugmentation(L.Callback):
     uninterrupted one drew; ``seed`` is in the checkpoint.
 
     Logged on Lightning's logging steps: ``augment/lam`` (the batch's mean ``lam``; 1.0 when off).
+    ``augmented_batches`` counts the training batches this process augmented.
 
     Args:
         mixup: MixUp's Beta ``alpha`` (0: off; 0.2 is usual).
@@ -167,6 +168,7 @@ class BatchAugmentation(L.Callback):
         self._total_steps = float("inf")
         self._pending: tuple[torch.Tensor, Mixed] | None = None  # loss mixing: (targets, what mix_batch did)
         self._lam = 1.0
+        self.augmented_batches = 0  # training batches this process augmented (a count for users and checks)
         self._checked = False
         self._range_checked = False
         self._stepped = False  # a training_step has run on soft targets (a later failure is not about their form)
@@ -326,6 +328,7 @@ class BatchAugmentation(L.Callback):
         if self.token_mask:
             assert self.mask_token is not None
             self._lam = 1.0
+            self.augmented_batches += 1
             return self._put(batch, self.input_key, token_mask(inputs, generator, self.token_mask, self.mask_token))
         lam = 1.0
         if self.rand_augment:
@@ -346,6 +349,7 @@ class BatchAugmentation(L.Callback):
         if self.erasing:
             inputs = random_erasing(inputs, rng, generator, self.erasing)
         self._lam = lam
+        self.augmented_batches += 1
         return self._put(batch, self.input_key, inputs)
 
     @override
