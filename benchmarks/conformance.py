@@ -363,7 +363,7 @@ CELLS: dict[str, Cell] = {
         Cell("bf16", _bf16, "parameters stored in bf16"),
         Cell("fusion", _fusion, "graphs compiled (compile='regional'), no eager fallback"),
         Cell("kd", _kd, "distill/kd_loss logged"),
-        Cell("augment", _augment, "every training batch augmented"),
+        Cell("augment", _augment, "every training batch augmented; the loss on a clean batch falls"),
         Cell("magnitude", _magnitude, "weight sparsity >= 0.45"),
         Cell("nm_2_4", _nm, "2:4 pattern on the pruned weights"),
         Cell("structured", _structured, "parameters removed"),
@@ -435,6 +435,24 @@ class _Diverge(L.Callback):
                 local_view(p).view(-1)[0] += 1e-3
 
 
+def _clean_loss(module: L.LightningModule, batch: Any) -> float:
+    """The module's own training loss on a clean batch, without a gradient, ``self.log`` muted: how an augment cell
+    shows that the model learned (the losses of augmented batches are too noisy over 8 steps). On a copy (no side
+    effect on the run), dropout off, batch norm on the batch's statistics (its running ones are meaningless after a
+    few steps)."""
+    import copy
+
+    probe = copy.deepcopy(module)
+    probe.eval()
+    for m in probe.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            m.train()
+    probe.log = lambda *args, **kwargs: None  # type: ignore[method-assign]
+    step = type(probe).training_step  # the class's, not a callback's wrapper on the instance
+    with torch.no_grad():
+        return float(step(probe, batch, 0))
+
+
 def run_cell(rank: int, family_name: str, cell_name: str, workdir: str, diverge: bool = False) -> dict[str, Any]:
     """Run one cell on this rank (called on every rank by ``tests.helpers.distributed.run_on_ranks``)."""
     import warnings
@@ -449,6 +467,12 @@ def run_cell(rank: int, family_name: str, cell_name: str, workdir: str, diverge:
     try:
         model = _build(family, 0)
         numel = sum(p.numel() for p in model.parameters())
+        data = _data(family.data)
+        probe = None
+        if cell_name == "augment":  # this rank's first training batch, clean
+            data.setup()
+            probe = next(iter(torch.utils.data.DataLoader(data._splits["train"], batch_size=data.batch_size)))
+            out["clean_loss_before"] = _clean_loss(model, probe)
         planned = _planned(model, cell_name)
         kwargs = cell.kwargs(family)
         kwargs.setdefault("callbacks", []).append(losses)
@@ -459,7 +483,7 @@ def run_cell(rank: int, family_name: str, cell_name: str, workdir: str, diverge:
                             num_sanity_val_steps=0, default_root_dir=workdir, **kwargs)  # fmt: skip
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
-            trainer.fit(model, datamodule=_data(family.data))
+            trainer.fit(model, datamodule=data)
         caught = [f"{w.category.__name__}: {w.message}" for w in seen
                   if "lightning_bigtrain" in w.category.__module__]  # fmt: skip
     except Exception as err:
@@ -469,6 +493,8 @@ def run_cell(rank: int, family_name: str, cell_name: str, workdir: str, diverge:
                    traceback="".join(traceback.format_exception(err))[-3000:] if not _ours(tb) else "")  # fmt: skip
         return out
     module = trainer.lightning_module
+    if probe is not None:
+        out["clean_loss_after"] = _clean_loss(module, probe)
     digest, compared = _replica_digest(module)
     state = losses.state or _state_bytes(trainer, module)
     params_now = sum(local_view(p).numel() for p in module.parameters() if is_replica(p))
@@ -583,6 +609,11 @@ def classify(results: list[dict[str, Any]]) -> dict[str, Any]:
     losses = first["losses"]
     if len(losses) < STEPS or not all(math.isfinite(v) for v in losses):
         problems.append(f"losses not finite or missing: {losses}")
+    elif "clean_loss_before" in first:  # augmented batches: judged on a clean batch before and after
+        before, after = first["clean_loss_before"], first["clean_loss_after"]
+        first["evidence"]["clean_loss"] = [round(before, 4), round(after, 4)]
+        if not after < before:
+            problems.append(f"the loss on a clean batch did not fall: {before:.4f} -> {after:.4f}")
     elif sum(losses[-3:]) / 3 >= losses[0]:
         problems.append(f"loss did not fall below the first step's: {[round(v, 3) for v in losses]}")
     if len({r["digest"] for r in results}) != 1:
