@@ -60,6 +60,7 @@ METHODS: dict[str, str] = {
     "onebit_adam_frozen": "ours OneBitAdam(variance_refresh=None): the paper's 1-bit Adam, variance frozen",
     "onebit_adam_block": "ours OneBitAdam(compressor=OneBit(block=256), variance_refresh=None): scale per 256",
     "onebit_adam_q8": "ours OneBitAdam(compressor=Quantize(8), variance_refresh=None): the frozen variance alone",
+    "onebit_adam_refresh8_w25": "ours OneBitAdam(warmup_steps=0.25): dense past the GPT's 20-step LR warm-up",
 }
 
 
@@ -486,7 +487,8 @@ SHORT = {"fp32": "fp32 DDP", "torch_fp16": "torch fp16 hook", "torch_powersgd": 
          "topk_noef": "TopK(0.01), no EF", "onebit_noef": "OneBit, no EF",
          "powersgd_warm": "PowerSGD(4), dense warm-up", "topk_warm": "TopK(0.01), dense warm-up",
          "onebit_adam": "OneBitAdam", "onebit_adam_block": "OneBitAdam, OneBit(block=256)",
-         "onebit_adam_q8": "OneBitAdam, Quantize(8)", "onebit_adam_frozen": "OneBitAdam, frozen variance"}  # fmt: skip
+         "onebit_adam_q8": "OneBitAdam, Quantize(8)", "onebit_adam_frozen": "OneBitAdam, frozen variance",
+         "onebit_adam_refresh8_w25": "OneBitAdam, 25% warm-up"}  # fmt: skip
 
 
 def _label(results: dict[str, Any], method: str) -> str:
