@@ -82,6 +82,6 @@ def main(argv: list[str]) -> int:
     try:
         for line in optimize(args):
             print(line)
-    except (ValueError, FileExistsError, FileNotFoundError, ImportError, AttributeError) as err:
+    except (ValueError, TypeError, FileExistsError, FileNotFoundError, ImportError, AttributeError) as err:
         parser.error(str(err))
     return 0

@@ -243,3 +243,9 @@ def test_the_bundled_datamodules_stream_what_optimize_wrote(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["data", "optimize", "fashion-mnist", str(tmp_path / "fashion-mnist"), "--subset", "300"])  # exists
     assert "overwrite" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["data", "optimize", "fashion", str(tmp_path / "x")])
+    assert "give one of fashion-mnist, shakespeare or `package.module:name`" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["data", "optimize", "lightning_bigtrain.data.fashion_mnist:CLASSES", str(tmp_path / "y")])
+    assert "a sample holds a str" in capsys.readouterr().err
