@@ -270,9 +270,12 @@ def read_index(url: str, storage_options: dict[str, Any] | None = None) -> dict[
 
 
 # ---- the reader ----------------------------------------------------------------------------------------------
-def _default_cache_dir(url: str) -> Path:
-    base = os.environ.get("BIGTRAIN_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "lightning_bigtrain")
-    return Path(base, "streaming", hashlib.sha1(url.encode()).hexdigest()[:16])
+def _cache_dir(url: str, cache_dir: str | os.PathLike[str] | None) -> Path:
+    """``<cache_dir>/<hash of url>``: datasets sharing a cache folder never share a file."""
+    if cache_dir is None:
+        home = os.path.join(os.path.expanduser("~"), ".cache", "lightning_bigtrain")
+        cache_dir = Path(os.environ.get("BIGTRAIN_CACHE") or home, "streaming")
+    return Path(cache_dir, hashlib.sha1(url.encode()).hexdigest()[:16])
 
 
 class StreamingDataset(Dataset[Any]):
@@ -286,9 +289,10 @@ class StreamingDataset(Dataset[Any]):
     Args:
         url: The dataset's folder, an fsspec URL or a local path.
         transform: Applied to each sample as it is read (must pickle, for loader workers).
-        cache_dir: Where remote shards are downloaded (default ``$BIGTRAIN_CACHE`` or
-            ``~/.cache/lightning_bigtrain``, then ``streaming/<hash of url>``). Ranks and workers on one machine
-            share it. Local datasets are read in place, not cached.
+        cache_dir: Where remote shards are downloaded, in a folder per URL (default ``$BIGTRAIN_CACHE`` or
+            ``~/.cache/lightning_bigtrain``, then ``streaming``); cached files are named by their content's hash,
+            so a dataset written again at the same URL is never served from stale files. Ranks and workers on one
+            machine share it. Local datasets are read in place, not cached.
         cache_limit: Most bytes of shards kept in ``cache_dir``; the least recently used are deleted. At least
             ``shuffle_window + 1`` of the largest shard.
         shuffle_window: Shards whose samples are shuffled together by :class:`StreamingSampler` (more: a
@@ -336,9 +340,7 @@ class StreamingDataset(Dataset[Any]):
                 f"{shuffle_window + 1} shards of {largest} bytes (the largest of {self.url}): raise cache_limit to "
                 f"at least {(shuffle_window + 1) * largest} bytes or lower shuffle_window."
             )
-        self.cache_dir = (
-            None if self.local else Path(cache_dir) if cache_dir is not None else _default_cache_dir(self.url)
-        )
+        self.cache_dir = None if self.local else _cache_dir(self.url, cache_dir)
         self._memory: OrderedDict[int, _Decoded] = OrderedDict()
         self._fs_pid: tuple[int, Any] | None = None
         self.loads = 0  # shards decoded by this process
@@ -418,7 +420,7 @@ class StreamingDataset(Dataset[Any]):
                 return self._verified(k, f.read())
         assert self.cache_dir is not None
         self.cache_dir.mkdir(parents=True, exist_ok=True)
-        path = self.cache_dir / shard["name"]
+        path = self.cache_dir / f"{Path(shard['name']).stem}.{shard['sha256'][:16]}.pt"
         with _locked(path):
             if path.exists() and path.stat().st_size == shard["bytes"]:
                 data = path.read_bytes()

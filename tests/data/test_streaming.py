@@ -194,9 +194,9 @@ def test_s3_through_a_real_server_two_workers_and_a_bounded_cache(s3_bucket, tmp
         loader.sampler.set_epoch(epoch)
         labels = [int(y) for _, ys, _ in loader for y in ys]
         assert sorted(labels) == list(range(300))
-        cached = sum(p.stat().st_size for p in (tmp_path / "cache").glob("*.pt"))
+        cached = sum(p.stat().st_size for p in (tmp_path / "cache").rglob("*.pt"))
         assert 0 < cached <= limit
-    assert not list((tmp_path / "cache").glob("*.part"))
+    assert not list((tmp_path / "cache").rglob("*.part"))
     x, label, _ = ds[123]  # the main process reads through the same cache
     assert torch.equal(x, data[123][0]) and label == 123
     # A damaged remote shard is refused, not cached.
@@ -205,8 +205,24 @@ def test_s3_through_a_real_server_two_workers_and_a_bounded_cache(s3_bucket, tmp
     fresh = StreamingDataset(f"s3://{bucket}/ds", cache_dir=tmp_path / "other", cache_limit=limit)
     with pytest.raises(OSError, match="damaged"):
         fresh[299]
-    assert not (tmp_path / "other" / name).exists()
+    assert not list((tmp_path / "other").rglob("*.pt"))  # the shards read before it are; the damaged one is not
     assert json.loads(fs.cat(f"{bucket}/ds/index.json"))["num_samples"] == 300
+
+
+def test_a_shared_cache_never_serves_another_datasets_or_an_older_versions_shard(s3_bucket, tmp_path):
+    """Two datasets with the same shard names in one cache folder, and a dataset written again at its URL (same
+    names and sizes, other values): each read returns what its index says."""
+    fs, bucket = s3_bucket
+    a = [(torch.full((4,), i, dtype=torch.int32),) for i in range(8)]
+    b = [(torch.full((4,), 100 + i, dtype=torch.int32),) for i in range(8)]
+    write_shards(a, f"s3://{bucket}/a", shard_bytes=16)
+    write_shards(b, f"s3://{bucket}/b", shard_bytes=16)  # the same shard names and sizes as a's
+    cache = tmp_path / "shared"
+    assert int(StreamingDataset(f"s3://{bucket}/a", cache_dir=cache)[3][0][0]) == 3
+    assert int(StreamingDataset(f"s3://{bucket}/b", cache_dir=cache)[3][0][0]) == 103
+    fs.rm(f"{bucket}/a", recursive=True)
+    write_shards(b, f"s3://{bucket}/a", shard_bytes=16)  # a written again: b's values under a's old names
+    assert int(StreamingDataset(f"s3://{bucket}/a", cache_dir=cache)[3][0][0]) == 103
 
 
 def test_the_bundled_datamodules_stream_what_optimize_wrote(tmp_path, capsys):
