@@ -170,7 +170,6 @@ class BatchAugmentation(L.Callback):
         self._lam = 1.0
         self.augmented_batches = 0  # training batches this process augmented (a count for users and checks)
         self._checked = False
-        self._range_checked = False
         self._stepped = False  # a training_step has run on soft targets (a later failure is not about their form)
         self._soft_now = False  # this step's targets were made class probabilities
         self._trainer_ref: L.Trainer | None = None
@@ -282,15 +281,14 @@ class BatchAugmentation(L.Callback):
                     f"`BatchAugmentation(rand_augment/cutmix/erasing)` works on images [batch, (channels,) height, "
                     f"width]; the inputs have shape {tuple(inputs.shape)}. Use mixup= alone for flat inputs."
                 )
+            if self.rand_augment:
+                self._check_range(inputs)
         self._checked = True
 
     def _check_range(self, inputs: torch.Tensor) -> None:
         """Inputs beyond ``value_range`` (standardised images with the default (0, 1)) would be clipped to black or
         white by every RandAugment operation: refused, with the range the inputs have. Checked on the first
-        batch only (on an accelerator the check waits for the device)."""
-        if self._range_checked:
-            return
-        self._range_checked = True
+        batch only, with the others of :meth:`_check` (on an accelerator the check waits for the device)."""
         low, high = self.value_range
         slack = 1e-3 * (high - low)
         lo, hi = float(inputs.amin()), float(inputs.amax())
@@ -332,7 +330,6 @@ class BatchAugmentation(L.Callback):
             return self._put(batch, self.input_key, token_mask(inputs, generator, self.token_mask, self.mask_token))
         lam = 1.0
         if self.rand_augment:
-            self._check_range(inputs)
             inputs = rand_augment(inputs, rng, num_ops=self.rand_augment, magnitude=self.magnitude,
                                   value_range=self.value_range)  # fmt: skip
         if self.mixes:

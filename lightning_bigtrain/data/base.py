@@ -28,7 +28,6 @@ class SplitDataModule(L.LightningDataModule):
     num_workers: int
     streaming: str | None = None
     cache_dir: str | None = None
-    cache_limit: int | str = "8GiB"
     source_name: str = ""  # what `bigtrain data optimize` calls this dataset
 
     def __init__(self) -> None:
@@ -65,8 +64,8 @@ class SplitDataModule(L.LightningDataModule):
 
         assert self.streaming is not None
         for name in SPLITS:
-            self._splits[name] = StreamingDataset(f"{self.streaming.rstrip('/')}/{name}", transform=transform,
-                                                  cache_dir=self.cache_dir, cache_limit=self.cache_limit)  # fmt: skip
+            url = f"{self.streaming.rstrip('/')}/{name}"
+            self._splits[name] = StreamingDataset(url, transform=transform, cache_dir=self.cache_dir)
 
     def _loader(self, split: str, shuffle: bool) -> DataLoader:
         self.setup()

@@ -58,6 +58,10 @@ class ResumableDistributedSampler(DistributedSampler):
             user's sampler, whose output list is indexed).
     """
 
+    #: What the epoch's index list is a permutation of, saved with the position: ``"samples"`` (this order, the
+    #: same at every world size) or a subclass's (e.g. ``"shards"``, which depends on the world size).
+    order = "samples"
+
     def __init__(
         self,
         dataset: Any,
@@ -71,6 +75,7 @@ class ResumableDistributedSampler(DistributedSampler):
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed,
                          drop_last=drop_last)  # fmt: skip
         self._index_map = index_map
+        self.order_world_size: int | None = None  # the world size the resumed epoch's list was made for
         self._resume: tuple[int, int] | None = None  # (cursor, counted samples) for the epoch resumed in
         self._active: tuple[int, int] = (0, 0)  # the same for the iteration in progress
 
@@ -126,7 +131,12 @@ class ResumableDistributedSampler(DistributedSampler):
             self._resume = None  # a new epoch starts from its beginning
         if epoch != self.epoch:
             self._active = (0, 0)
+            self.order_world_size = None  # a new epoch's list is made for this run's world size
         super().set_epoch(epoch)
+
+    def list_world_size(self) -> int:
+        """The world size the current epoch's list was made for (the cursor counts positions in it)."""
+        return self.order_world_size or self.num_replicas
 
     # ---- position --------------------------------------------------------------------------------------
     def cursor(self, samples_per_rank: int) -> int:
@@ -232,7 +242,6 @@ def _with_state(
     """``loader`` (whose sampler is ``resumable``) given the ``state_dict``/``load_state_dict`` Lightning's fit
     loop saves and restores."""
     batch_size = int(loader.batch_size)
-    streaming = _is_streaming_sampler(resumable)
 
     def state_dict() -> dict[str, Any]:
         samples = _batches_consumed(trainer_ref()) * batch_size
@@ -245,14 +254,21 @@ def _with_state(
             "cursor": resumable.cursor(samples),
             "world_size": resumable.num_replicas,
             "batch_size": batch_size,
-            # A streaming order depends on the world size it was dealt out to; the cursor counts positions in it.
-            **({"order_world_size": resumable.list_world_size()} if streaming else {}),  # type: ignore[attr-defined]
+            # What the list is a permutation of, and the world size it was made for: the cursor counts positions in it.
+            "order": resumable.order,
+            "order_world_size": resumable.list_world_size(),
         }
 
     def load_state_dict(state: dict[str, Any]) -> None:
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"A training dataloader state of version {state.get('version')!r} cannot be loaded "
                              f"(this lightning_bigtrain writes version {STATE_VERSION}).")  # fmt: skip
+        if state.get("order", "samples") != resumable.order:
+            raise ValueError(
+                f"The checkpoint's training data position counts {state.get('order', 'samples')} (a "
+                f"{'streaming' if state.get('order') == 'shards' else 'map-style'} dataset's order); this run's loader "
+                f"counts {resumable.order}. Resume with the same kind of dataset, or start a new run."
+            )
         if bool(state.get("shuffle", resumable.shuffle)) != resumable.shuffle:
             raise ValueError(
                 f"The checkpoint's training data position is for a {'' if state['shuffle'] else 'un'}shuffled loader; "
@@ -269,11 +285,7 @@ def _with_state(
             )
         trainer = trainer_ref()
         counted = _batches_consumed(trainer) * batch_size
-        if streaming:
-            if "order_world_size" not in state:
-                raise ValueError("The checkpoint's training data position was saved for a non-streaming dataset; "
-                                 "this run streams it. Resume with the same kind of dataset, or start a new run.")  # fmt: skip
-            resumable.order_world_size = int(state["order_world_size"])  # type: ignore[attr-defined]
+        resumable.order_world_size = int(state.get("order_world_size", state["world_size"]))
         resumable.resume(int(state["epoch"]), int(state["cursor"]), counted)
         _refresh_limit(trainer, loader)
         _warn_if_global_batch_changed(state, resumable.num_replicas, batch_size)

@@ -31,7 +31,6 @@ import hashlib
 import io
 import json
 import os
-import re
 import tempfile
 import time
 from collections import OrderedDict
@@ -45,13 +44,13 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_bigtrain.data.resumable import ResumableDistributedSampler
+from lightning_bigtrain.functional.memory import parse_bytes
 
 __all__ = [
     "FORMAT",
     "INDEX_FILE",
     "StreamingDataset",
     "StreamingSampler",
-    "parse_size",
     "read_index",
     "shard_order",
     "streaming_loader",
@@ -61,21 +60,13 @@ __all__ = [
 FORMAT = "bigtrain-shards"
 FORMAT_VERSION = 1
 INDEX_FILE = "index.json"
-_UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 2**10, "kib": 2**10, "m": 2**20, "mb": 2**20, "mib": 2**20,
-          "g": 2**30, "gb": 2**30, "gib": 2**30, "t": 2**40, "tb": 2**40, "tib": 2**40}  # fmt: skip
 _LOCAL_PROTOCOLS = ("file", "local")
 
 
-def parse_size(value: int | str, name: str) -> int:
-    """Bytes from ``4096``, ``"64MiB"``, ``"2 GB"`` (binary units either way); ``name`` is the argument named
-    in the error."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        size = value
-    else:
-        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(value))
-        if match is None or match.group(2).lower() not in _UNITS:
-            raise ValueError(f"`{name}={value!r}`: give bytes as an int or a size such as '64MiB' or '2GiB'.")
-        size = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+def _size(value: int | str, name: str) -> int:
+    """Bytes from ``4096`` or ``"64MiB"`` (:func:`~lightning_bigtrain.functional.memory.parse_bytes`'s units), at
+    least one; ``name`` is the argument named in the error."""
+    size = parse_bytes(value, name)
     if size < 1:
         raise ValueError(f"`{name}={value!r}`: must be at least one byte.")
     return size
@@ -134,7 +125,7 @@ def _encode(samples: list[Any]) -> dict[str, Any]:
 
 
 class _Decoded:
-    """One shard in memory; ``sample(j)`` is its ``j``-th sample as it was written."""
+    """One shard in memory; ``samples(js)`` are its samples ``js`` as they were written."""
 
     def __init__(self, payload: dict[str, Any]) -> None:
         self.rows: list[Any] | None = payload.get("rows")
@@ -146,14 +137,8 @@ class _Decoded:
             # A flat tuple of leaves (the usual ``(input, target)``) is rebuilt without the pytree machinery.
             self._flat_tuple = self._spec.type is tuple and all(c.is_leaf() for c in self._spec.children())
 
-    def sample(self, j: int) -> Any:
-        if self.rows is not None:
-            return self.rows[j]
-        values = [c[j] if kind == "tensor" else c[j].item() for c, kind in zip(self._columns, self._kinds, strict=True)]
-        return tuple(values) if self._flat_tuple else tree_unflatten(values, self._spec)
-
     def samples(self, js: list[int]) -> list[Any]:
-        """The samples ``js``: each column gathered once, then split (faster than one ``sample`` at a time)."""
+        """The samples ``js`` as they were written: each column gathered once, then split."""
         if self.rows is not None:
             return [self.rows[j] for j in js]
         index = torch.tensor(js, dtype=torch.long)
@@ -172,6 +157,26 @@ def _fs(url: str, storage_options: dict[str, Any] | None) -> tuple[Any, str]:
 def _is_local(fs: Any) -> bool:
     protocol = fs.protocol if isinstance(fs.protocol, tuple | list) else (fs.protocol,)
     return any(p in _LOCAL_PROTOCOLS for p in protocol)
+
+
+def _put_whole(fs: Any, path: str, data: bytes) -> None:
+    """Write ``path`` so that readers see all of it or none: a temporary file renamed over it on a local
+    filesystem (an object store's PUT is already whole)."""
+    if not _is_local(fs):
+        with fs.open(path, "wb") as f:
+            f.write(data)
+        return
+    folder = os.path.dirname(path)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".part")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
 
 
 def write_shards(
@@ -199,7 +204,7 @@ def write_shards(
         FileExistsError: ``url`` holds a committed dataset and ``overwrite`` is False.
         ValueError: The dataset is empty, or an argument is out of range.
     """
-    target = parse_size(shard_bytes, "shard_bytes")
+    target = _size(shard_bytes, "shard_bytes")
     n = len(dataset)
     if n == 0:
         raise ValueError("write_shards: the dataset is empty; there is nothing to write.")
@@ -239,8 +244,7 @@ def write_shards(
     if batch:
         flush(batch)
     index = {"format": FORMAT, "version": FORMAT_VERSION, "num_samples": n, "shards": shards, "meta": meta or {}}
-    with fs.open(index_path, "wb") as f:  # the commit: readers only ever see complete datasets
-        f.write(json.dumps(index, indent=1).encode())
+    _put_whole(fs, index_path, json.dumps(index, indent=1).encode())  # the commit: readers see complete datasets
     for name in set(old) - {s["name"] for s in shards}:
         with contextlib.suppress(FileNotFoundError):
             fs.rm_file(f"{root.rstrip('/')}/{name}")
@@ -320,7 +324,7 @@ class StreamingDataset(Dataset[Any]):
         self.transform = transform
         self.shuffle_window = shuffle_window
         self.storage_options = dict(storage_options or {})
-        self.cache_limit = parse_size(cache_limit, "cache_limit")
+        self.cache_limit = _size(cache_limit, "cache_limit")
         fs, self._root = _fs(self.url, self.storage_options)
         self.local = _is_local(fs)
         index = read_index(self.url, self.storage_options)
@@ -346,31 +350,21 @@ class StreamingDataset(Dataset[Any]):
         self.loads = 0  # shards decoded by this process
         self.served = 0  # samples read by this process
         self._mark = (0, 0)  # (loads, served) when the order was last judged
+        self._hashed: set[int] = set()  # shards whose bytes this process checked against the index's hash
 
     def __len__(self) -> int:
         return self._starts[-1]
 
     def __getitem__(self, i: int) -> Any:
-        n = len(self)
-        if not -n <= i < n:
-            raise IndexError(f"StreamingDataset index {i} is out of range for {n} samples.")
-        i %= n
-        k = bisect.bisect_right(self._starts, i) - 1
-        sample = self._shard(k).sample(i - self._starts[k])
-        self.served += 1
-        return self.transform(sample) if self.transform is not None else sample
+        return self.__getitems__([i])[0]
 
     def __getitems__(self, indices: list[int]) -> list[Any]:
         """A batch of samples (the DataLoader asks for whole batches): each shard's part gathered at once."""
-        n = len(self)
         out: list[Any] = [None] * len(indices)
         by_shard: dict[int, list[tuple[int, int]]] = {}
         for pos, i in enumerate(indices):
-            if not -n <= i < n:
-                raise IndexError(f"StreamingDataset index {i} is out of range for {n} samples.")
-            i %= n
-            k = bisect.bisect_right(self._starts, i) - 1
-            by_shard.setdefault(k, []).append((pos, i - self._starts[k]))
+            k = self.shard_of(i)
+            by_shard.setdefault(k, []).append((pos, i % len(self) - self._starts[k]))
         for k, items in by_shard.items():
             for (pos, _), sample in zip(items, self._shard(k).samples([j for _, j in items]), strict=True):
                 out[pos] = sample
@@ -381,13 +375,16 @@ class StreamingDataset(Dataset[Any]):
 
     def __getstate__(self) -> dict[str, Any]:  # loader workers start with an empty memory and their own fs
         state = self.__dict__.copy()
-        state.update(_memory=OrderedDict(), _fs_pid=None, loads=0, served=0, _mark=(0, 0))
+        state.update(_memory=OrderedDict(), _fs_pid=None, loads=0, served=0, _mark=(0, 0), _hashed=set())
         return state
 
     # ---- shards --------------------------------------------------------------------------------------------
     def shard_of(self, i: int) -> int:
-        """The shard holding sample ``i``."""
-        return bisect.bisect_right(self._starts, i) - 1
+        """The shard holding sample ``i`` (negative: from the end)."""
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"StreamingDataset index {i} is out of range for {n} samples.")
+        return bisect.bisect_right(self._starts, i % n) - 1
 
     def _filesystem(self) -> Any:
         if self._fs_pid is None or self._fs_pid[0] != os.getpid():  # fsspec clients do not survive a fork
@@ -422,10 +419,14 @@ class StreamingDataset(Dataset[Any]):
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         path = self.cache_dir / f"{Path(shard['name']).stem}.{shard['sha256'][:16]}.pt"
         with _locked(path):
-            if path.exists() and path.stat().st_size == shard["bytes"]:
-                data = path.read_bytes()
-                os.utime(path)  # most recently used
-                return data
+            if path.exists():
+                try:
+                    data = self._verified(k, path.read_bytes())
+                except OSError:  # the cached copy is damaged, not the shard: fetched again below
+                    path.unlink()
+                else:
+                    os.utime(path)  # most recently used
+                    return data
             fd, tmp = tempfile.mkstemp(dir=self.cache_dir, prefix=f".{shard['name']}.", suffix=".part")
             os.close(fd)
             try:
@@ -439,10 +440,13 @@ class StreamingDataset(Dataset[Any]):
         return data
 
     def _verified(self, k: int, data: bytes) -> bytes:
+        """``data`` if it is shard ``k`` as the index describes it: its size every time, its SHA-256 the first time
+        this process reads it (a loader worker reads each of its shards once per epoch)."""
         shard = self.shards[k]
-        if len(data) != shard["bytes"] or hashlib.sha256(data).hexdigest() != shard["sha256"]:
+        if len(data) != shard["bytes"] or (k not in self._hashed and hashlib.sha256(data).hexdigest() != shard["sha256"]):
             raise OSError(f"StreamingDataset: shard {shard['name']} of {self.url} is damaged ({len(data)} bytes, "
                           f"the index says {shard['bytes']}, or its SHA-256 differs); write the dataset again.")  # fmt: skip
+        self._hashed.add(k)
         return data
 
     def _evict(self, keep: Path) -> None:
@@ -479,7 +483,7 @@ class StreamingDataset(Dataset[Any]):
 
             warn_once(
                 f"StreamingDataset({self.url!r}) is read in an order that loads a shard every "
-                f"{max(self.served, 1) // self.loads} samples: give it to a DataLoader through "
+                f"{max(served, 1) // loads} samples: give it to a DataLoader through "
                 "`lightning_bigtrain.data.streaming_loader(...)` (or train under a lightning_bigtrain strategy "
                 "or with FaultTolerance(), which give it a StreamingSampler).",
                 UserWarning,
@@ -587,21 +591,17 @@ class StreamingSampler(ResumableDistributedSampler):
             seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed,
                          drop_last=drop_last)  # fmt: skip
-        self.order_world_size: int | None = None  # the world size the resumed epoch's list was made for
+        self._memo: tuple[tuple[int, int | None], list[int]] | None = None  # the last list made, by its key
+
+    order = "shards"
 
     def _epoch_indices(self) -> list[int]:
-        ds: StreamingDataset = self.dataset  # type: ignore[assignment]
-        world = self.order_world_size or self.num_replicas
-        return shard_order(ds.shard_sizes, world, self.seed + self.epoch if self.shuffle else None, ds.shuffle_window)
-
-    def set_epoch(self, epoch: int) -> None:
-        if epoch != self.epoch:
-            self.order_world_size = None  # a new epoch is dealt out by shards to this run's ranks
-        super().set_epoch(epoch)
-
-    def list_world_size(self) -> int:
-        """The world size the current epoch's list was made for (the cursor counts positions in it)."""
-        return self.order_world_size or self.num_replicas
+        # Made again for each len() and iteration of the epoch otherwise (a resumed epoch asks several times).
+        key = (self.list_world_size(), self.seed + self.epoch if self.shuffle else None)
+        if self._memo is None or self._memo[0] != key:
+            ds: StreamingDataset = self.dataset  # type: ignore[assignment]
+            self._memo = (key, shard_order(ds.shard_sizes, key[0], key[1], ds.shuffle_window))
+        return self._memo[1]
 
 
 def streaming_loader(

@@ -322,4 +322,4 @@ def rand_augment(
             idx = torch.as_tensor(members, device=u.device)
             u[idx] = _apply(op, u[idx], torch.as_tensor(signs[members], device=u.device), level)
     y = u * (high - low) + low
-    return y.squeeze(1) if squeeze else y.to(inputs.dtype)
+    return y.squeeze(1) if squeeze else y

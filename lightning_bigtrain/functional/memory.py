@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import resource
 import sys
 from collections.abc import Iterable
@@ -9,7 +10,24 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-__all__ = ["model_state_bytes", "peak_memory_bytes", "set_mmap_threshold", "tensor_bytes"]
+__all__ = ["model_state_bytes", "parse_bytes", "peak_memory_bytes", "set_mmap_threshold", "tensor_bytes"]
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
+
+
+def parse_bytes(value: str | int | float, name: str = "device_memory") -> int:
+    """``"80GB"``, ``"80GiB"``, ``"512MiB"`` or a number of bytes -> bytes."""
+    if isinstance(value, int | float):
+        return int(value)
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", value)
+    unit = match.group(2).lower() if match else None
+    if not match or unit not in _UNITS:
+        raise ValueError(
+            f"`{name}={value!r}`: not a size. Write a number with one of the units "
+            "B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024), e.g. '80GB'."
+        )
+    return int(float(match.group(1)) * _UNITS[unit])
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -36,6 +36,7 @@ from torch import nn
 
 from lightning_bigtrain.engines.flat_shard import norm_parameters
 from lightning_bigtrain.functional.compression import COMPRESSION_NAMES
+from lightning_bigtrain.functional.memory import parse_bytes
 from lightning_bigtrain.warnings import BigtrainWarning
 
 __all__ = [
@@ -99,25 +100,9 @@ _COMPUTE: dict[str, tuple[torch.dtype | None, bool]] = {
 }
 # fp32 optimizer-state bytes per parameter.
 _OPTIMIZERS = {"adamw": 8, "adam": 8, "sgd": 4, "sgd-nomomentum": 0, "adagrad": 4, "rmsprop": 4}
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
 _RATE_UNITS = {"bps": 1 / 8, "kbps": 1e3 / 8, "mbps": 1e6 / 8, "gbps": 1e9 / 8, "tbps": 1e12 / 8,
                "b/s": 1, "kb/s": 1e3, "mb/s": 1e6, "gb/s": 1e9}  # fmt: skip
 _BUCKET_BYTES = 25 * 2**20  # DDP's and FlatShardedOptimizer's bucket size
-
-
-def parse_bytes(value: str | int | float, name: str = "device_memory") -> int:
-    """``"80GB"``, ``"80GiB"``, ``"512MiB"`` or a number of bytes -> bytes."""
-    if isinstance(value, int | float):
-        return int(value)
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", value)
-    unit = match.group(2).lower() if match else None
-    if not match or unit not in _UNITS:
-        raise ValueError(
-            f"`{name}={value!r}`: not a size. Write a number with one of the units "
-            "B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024), e.g. '80GB'."
-        )
-    return int(float(match.group(1)) * _UNITS[unit])
 
 
 def parse_bandwidth(value: str | int | float, name: str = "inter_node_bandwidth") -> float:

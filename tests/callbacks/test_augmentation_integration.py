@@ -201,6 +201,8 @@ def test_bad_arguments_are_refused_at_construction():
         BatchAugmentation(token_mask=0.1, mask_token=0, mixup=0.2)
     with pytest.raises(ValueError, match=r"num_classes=1\)`: pass an int >= 2"):
         BatchAugmentation(mixup=0.2, num_classes=1)
+    with pytest.raises(ValueError, match=r"rand_augment=-1\)`: operations per sample"):
+        BatchAugmentation(rand_augment=-1)
     with pytest.raises(ValueError, match=r"magnitude=31\)`: RandAugment's magnitude"):
         BatchAugmentation(rand_augment=2, magnitude=31)
     with pytest.raises(ValueError, match=r"value_range=\(1, 0\)\)`: pass \(black, white\)"):

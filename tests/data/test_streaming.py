@@ -15,7 +15,6 @@ from lightning_bigtrain.data.resumable import make_resumable
 from lightning_bigtrain.data.streaming import (
     StreamingDataset,
     StreamingSampler,
-    parse_size,
     shard_order,
     streaming_loader,
     write_shards,
@@ -51,7 +50,8 @@ def test_bad_input_is_refused_before_anything_is_written(tmp_path):
         write_shards([], str(tmp_path / "b"))
     with pytest.raises(ValueError, match="shard_bytes='lots'"):
         write_shards(_samples(2), str(tmp_path / "c"), shard_bytes="lots")
-    assert parse_size("2GiB", "x") == 2**31 and parse_size("64 MB", "x") == 64 * 2**20
+    with pytest.raises(ValueError, match="shard_bytes=0.*at least one byte"):
+        write_shards(_samples(2), str(tmp_path / "c"), shard_bytes=0)
     with pytest.raises(FileNotFoundError, match="bigtrain data optimize"):
         StreamingDataset(str(tmp_path / "nothing"))
     write_shards(_samples(4), str(tmp_path / "d"))
@@ -168,6 +168,19 @@ def test_lightnings_sampler_over_a_streaming_dataset_becomes_a_resumable_streami
     assert own.sampler.seed == 9 and callable(own.state_dict)
 
 
+def test_a_position_of_another_kind_of_order_is_refused(tmp_path):
+    """A map-style loader's position (a cursor into a permutation of samples) means nothing in a streaming order."""
+    write_shards(_samples(40), str(tmp_path / "ds"), shard_bytes=100)
+    ds = StreamingDataset(str(tmp_path / "ds"))
+    plain = make_resumable(DataLoader(list(range(40)), batch_size=4, shuffle=True), lambda: _trainer(2))
+    state = plain.state_dict()
+    assert state["order"] == "samples"
+    streamed = make_resumable(DataLoader(ds, batch_size=4, shuffle=True), lambda: _trainer(2))
+    state["seed"] = streamed.sampler.seed
+    with pytest.raises(ValueError, match="counts samples .* this run's loader counts shards"):
+        streamed.load_state_dict(state)
+
+
 def test_a_random_order_warns_that_it_reloads_shards(tmp_path):
     write_shards(_samples(2000), str(tmp_path / "ds"), shard_bytes=1400)  # 50 samples a shard
     ds = StreamingDataset(str(tmp_path / "ds"), shuffle_window=1)
@@ -199,6 +212,10 @@ def test_s3_through_a_real_server_two_workers_and_a_bounded_cache(s3_bucket, tmp
     assert not list((tmp_path / "cache").rglob("*.part"))
     x, label, _ = ds[123]  # the main process reads through the same cache
     assert torch.equal(x, data[123][0]) and label == 123
+    cached = sorted((tmp_path / "cache").rglob("*.pt"))
+    cached[0].write_bytes(b"\0" * cached[0].stat().st_size)  # a damaged copy of the right size: fetched again
+    again = StreamingDataset(f"s3://{bucket}/ds", cache_dir=tmp_path / "cache", cache_limit=limit, shuffle_window=2)
+    assert sorted(int(y) for _, y, _ in again.__getitems__(list(range(300)))) == list(range(300))
     # A damaged remote shard is refused, not cached.
     name = index["shards"][-1]["name"]
     fs.pipe(f"{bucket}/ds/{name}", b"not a shard")
