@@ -61,6 +61,7 @@ METHODS: dict[str, str] = {
     "onebit_adam_block": "ours OneBitAdam(compressor=OneBit(block=256), variance_refresh=None): scale per 256",
     "onebit_adam_q8": "ours OneBitAdam(compressor=Quantize(8), variance_refresh=None): the frozen variance alone",
     "onebit_adam_refresh8_w25": "ours OneBitAdam(warmup_steps=0.25): dense past the GPT's 20-step LR warm-up",
+    "onebit_adam_raw": "ours OneBitAdam(preconditioned=False): the raw momentum exchanged, as the paper",
 }
 
 
@@ -90,16 +91,21 @@ def _strategy(method: str) -> Any:
     if method.startswith("onebit_adam"):
         from lightning_bigtrain.compression import OneBit, OneBitAdam, Quantize
 
+        if method == "onebit_adam":  # the defaults
+            return CompressedDDPStrategy(OneBitAdam())
+        if method == "onebit_adam_raw":  # the defaults, but the raw momentum exchanged (as the paper)
+            return CompressedDDPStrategy(OneBitAdam(preconditioned=False))
+        # The earlier ablations, as they ran: the raw momentum exchanged, the variance untracked between refreshes.
+        paper: dict[str, Any] = {"track_scale": False, "preconditioned": False}
         if method.startswith("onebit_adam_refresh"):  # onebit_adam_refresh<K>[_w<percent>]: refresh every K
             every, _, warm = method.removeprefix("onebit_adam_refresh").partition("_w")
-            return CompressedDDPStrategy(OneBitAdam(warmup_steps=int(warm or 15) / 100, variance_refresh=int(every)))
+            return CompressedDDPStrategy(
+                OneBitAdam(warmup_steps=int(warm or 15) / 100, variance_refresh=int(every), **paper)
+            )
         if method == "onebit_adam_frozen":  # the paper's method: the variance frozen after the warm-up
-            return CompressedDDPStrategy(OneBitAdam(variance_refresh=None))
-        momentum = {"onebit_adam": OneBit(), "onebit_adam_block": OneBit(block=256),
-                    "onebit_adam_q8": Quantize(8, error_feedback=True)}[method]  # fmt: skip
-        if method == "onebit_adam":  # the defaults: OneBit, the variance refreshed every 8th step
-            return CompressedDDPStrategy(OneBitAdam())
-        return CompressedDDPStrategy(OneBitAdam(compressor=momentum, variance_refresh=None))
+            return CompressedDDPStrategy(OneBitAdam(variance_refresh=None, **paper))
+        momentum = {"onebit_adam_block": OneBit(block=256), "onebit_adam_q8": Quantize(8, error_feedback=True)}[method]
+        return CompressedDDPStrategy(OneBitAdam(compressor=momentum, variance_refresh=None, **paper))
     return CompressedDDPStrategy(_compressor(method))
 
 
@@ -488,7 +494,8 @@ SHORT = {"fp32": "fp32 DDP", "torch_fp16": "torch fp16 hook", "torch_powersgd": 
          "powersgd_warm": "PowerSGD(4), dense warm-up", "topk_warm": "TopK(0.01), dense warm-up",
          "onebit_adam": "OneBitAdam", "onebit_adam_block": "OneBitAdam, OneBit(block=256)",
          "onebit_adam_q8": "OneBitAdam, Quantize(8)", "onebit_adam_frozen": "OneBitAdam, frozen variance",
-         "onebit_adam_refresh8_w25": "OneBitAdam, 25% warm-up"}  # fmt: skip
+         "onebit_adam_refresh8_w25": "OneBitAdam, 25% warm-up",
+         "onebit_adam_raw": "OneBitAdam, raw momentum"}  # fmt: skip
 
 
 def _label(results: dict[str, Any], method: str) -> str:

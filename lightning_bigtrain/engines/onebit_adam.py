@@ -23,6 +23,24 @@ the last one, ``v <- beta2^K v + (1 - beta2^K) g^2``, so its time constant in st
 exchanged on a refresh step (it is computed from the same averaged gradient on every rank). Bytes per compressed-
 phase step with ``OneBit`` at 2 ranks: ``((K - 1) / 32 + 1 / 3.94) / K`` of dense, about 1/17 at ``K = 8``.
 
+Between refreshes a frozen variance goes stale in two ways, and both broke the char-GPT at its peak learning rate
+(a loss spike from 3.4 to 7 one step after the gradients grew, at the fifth compressed step): a gradient that grows
+is not damped (Adam's variance would grow in the same step), and a coordinate whose variance was ~0 when it froze (a
+token first seen after the warm-up) steps ``m / eps``. Three guards, none of which changes Adam where its variance
+is current:
+
+- **Tracked scale** (``track_scale``): every step the ranks all-reduce one number per tensor, the mean of their
+  squared local gradients, and keep its EMA (Adam's ``beta2``); the variance in use is the refreshed one times that
+  EMA over its value at the last refresh. 4 bytes per tensor per step.
+- **Adam's step bound**: with ``m`` and ``v`` averaging the same gradients, ``|m_hat| / sqrt(v_hat) <= B_t``
+  (Kingma & Ba, 2015, Section 2.1, in its Cauchy-Schwarz form; :meth:`CompressedMomentumAdam._raise_variance`).
+  After the momentum is averaged, ``v`` is raised to ``(m_hat / B_t)^2`` wherever it is below: the same on every
+  rank, and a no-op for a variance that is current.
+- **Preconditioned exchange** (``preconditioned``): the momentum is exchanged divided by Adam's denominator and
+  clipped to the bound on each rank, then multiplied back, so a compressor's shared scale (``OneBit``'s one
+  magnitude per tensor) and its error feedback act in the update's units; in the raw momentum's units the shared
+  magnitude divided by a small variance is a large step.
+
 :class:`OneBitAdam` is the specification a user passes as ``CompressedDDPStrategy(compression=OneBitAdam(...))``;
 :class:`CompressedMomentumAdam` is the optimizer the strategy builds from the module's own ``Adam`` / ``AdamW`` (its
 parameter groups, learning rates, betas, eps and weight decay), so ``configure_optimizers`` and LR schedulers stay
@@ -62,6 +80,12 @@ class OneBitAdam:
             gradients (an int >= 2; the module docstring has the method), or ``None`` for the paper's variance
             frozen after the warm-up. ``8`` keeps the compressed phase over 16x fewer bytes than fp32 with
             ``OneBit`` (about 1/17 of fp32's bytes at 2 ranks).
+        track_scale: Between refreshes, scale each tensor's variance by its gradient's tracked mean square (one
+            number per tensor all-reduced per step), so a gradient that grows damps its steps at once as Adam's
+            variance would. ``False``: the variance moves only at refreshes.
+        preconditioned: Exchange the momentum divided by Adam's denominator (the update's units, each rank's
+            bounded by Adam's own step bound), so the compressor's shared scale and its error feedback weigh every
+            coordinate by its step, not by its raw momentum. ``False``: the raw momentum, as the paper.
     """
 
     def __init__(
@@ -69,6 +93,8 @@ class OneBitAdam:
         warmup_steps: int | float = 0.15,
         compressor: Compressor | str = "onebit",
         variance_refresh: int | None = 8,
+        track_scale: bool = True,
+        preconditioned: bool = True,
     ) -> None:
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, (int, float)):
             raise TypeError(f"`OneBitAdam(warmup_steps={warmup_steps!r})`: pass an int or a fraction in (0, 1).")
@@ -108,9 +134,14 @@ class OneBitAdam:
                 f"`OneBitAdam(variance_refresh={variance_refresh!r})`: pass an int >= 2 (every how many compressed "
                 "steps the variance is refreshed from 8-bit averaged gradients), or None to keep it frozen."
             )
+        for name, flag in (("track_scale", track_scale), ("preconditioned", preconditioned)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"`OneBitAdam({name}={flag!r})`: pass True or False.")
         self.warmup_steps = warmup_steps
         self.compressor = compressor
         self.variance_refresh = variance_refresh
+        self.track_scale = track_scale
+        self.preconditioned = preconditioned
 
     def resolve_warmup(self, total_steps: float) -> int:
         """The warm-up in optimizer steps for a run of ``total_steps`` (at least 1)."""
@@ -126,7 +157,8 @@ class OneBitAdam:
     def __repr__(self) -> str:
         return (
             f"OneBitAdam(warmup_steps={self.warmup_steps!r}, compressor={self.compressor!r}, "
-            f"variance_refresh={self.variance_refresh!r})"
+            f"variance_refresh={self.variance_refresh!r}, track_scale={self.track_scale!r}, "
+            f"preconditioned={self.preconditioned!r})"
         )
 
 
@@ -143,6 +175,13 @@ class CompressedMomentumAdam(torch.optim.Optimizer):
         engine: The compression engine that averages the momentum (its compressor's error feedback per parameter).
         warmup_steps: Dense Adam steps before the variance is frozen.
         decoupled: AdamW's decoupled weight decay (else Adam's L2 term added to the gradient).
+        refresh: The engine that averages the gradients in 8 bits at a variance refresh (with ``refresh_every``).
+        refresh_every: Every how many compressed-phase steps the variance is refreshed (None: frozen).
+        track_scale: Scale each tensor's variance by its tracked gradient scale between refreshes.
+        preconditioned: Exchange the momentum in the update's units (divided by Adam's denominator).
+
+    In the compressed phase the variance is also raised wherever the averaged momentum would step a coordinate
+    further than Adam ever could (:meth:`_raise_variance`).
     """
 
     def __init__(
@@ -154,9 +193,13 @@ class CompressedMomentumAdam(torch.optim.Optimizer):
         decoupled: bool,
         refresh: GradientCompression | None = None,
         refresh_every: int | None = None,
+        track_scale: bool = True,
+        preconditioned: bool = False,
         **defaults: Any,
     ) -> None:
         super().__init__(params, defaults)
+        self.preconditioned = preconditioned
+        self.track_scale = track_scale
         if (refresh is None) != (refresh_every is None):
             raise ValueError("CompressedMomentumAdam: pass both `refresh` and `refresh_every`, or neither.")
         self.engine = engine
@@ -174,6 +217,8 @@ class CompressedMomentumAdam(torch.optim.Optimizer):
         warmup_steps: int,
         refresh: GradientCompression | None = None,
         refresh_every: int | None = None,
+        track_scale: bool = True,
+        preconditioned: bool = False,
     ) -> CompressedMomentumAdam:
         """The equivalent of ``optimizer`` (``Adam`` / ``AdamW``), sharing its parameter groups."""
         name = type(optimizer).__name__
@@ -198,6 +243,8 @@ class CompressedMomentumAdam(torch.optim.Optimizer):
             decoupled=decoupled,
             refresh=refresh,
             refresh_every=refresh_every,
+            track_scale=track_scale,
+            preconditioned=preconditioned,
             lr=first["lr"],
             betas=first["betas"],
             eps=first["eps"],
@@ -238,6 +285,8 @@ class CompressedMomentumAdam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         compressing, refreshing = self.compressing, self.refreshing
+        if compressing and self.track_scale:
+            self._track_scale()
         grads = self._averaged_gradients() if refreshing else {}
         span = self.refresh_every or 1
         # 1. Momentum (and, in the warm-up or at a refresh, variance) from this step's gradients: all-reduced in
@@ -263,10 +312,18 @@ class CompressedMomentumAdam(torch.optim.Optimizer):
                     keep = beta2**span
                     state["exp_avg_sq"].mul_(keep).addcmul_(grad, grad, value=1 - keep)
                     state["frozen_step"] += span
+                    if "scale" in state:  # the variance is current again: its scale is measured from here
+                        state["scale_ref"] = state["scale"].clone()
                 state["step"] += 1
-        # 2. After the warm-up, but at a refresh: the ranks' momenta averaged, compressed with error feedback.
+        # 2. After the warm-up, but at a refresh: the ranks' momenta averaged, compressed with error feedback; then
+        #    the variance raised where the averaged momentum shows it stale (Adam's own bound on a step).
         if compressing and not refreshing:
             self._average_momentum()
+        if compressing:
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if self.state.get(p):
+                        self._raise_variance(self.state[p], group)
         # 3. The update: m_hat / (sqrt(v_hat) + eps), v_hat frozen after the warm-up.
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
@@ -278,18 +335,79 @@ class CompressedMomentumAdam(torch.optim.Optimizer):
                     p.mul_(1 - group["lr"] * group["weight_decay"])
                 # As torch's Adam writes it (the warm-up then rounds as torch.optim.AdamW does).
                 step_size = group["lr"] / (1 - beta1 ** state["step"])
-                v_hat_scale_sqrt = (1 - beta2 ** state["frozen_step"]) ** 0.5
-                denom = (state["exp_avg_sq"].sqrt() / v_hat_scale_sqrt).add_(group["eps"])
-                p.addcdiv_(state["exp_avg"], denom, value=-step_size)
+                p.addcdiv_(state["exp_avg"], self._denominator(state, group, compressing), value=-step_size)
         self.steps += 1
         self._opt_called = True  # an LR scheduler re-bound to this optimizer checks it
         return loss
+
+    def _track_scale(self) -> None:
+        """The compressed phase's variance follows each tensor's gradient scale: every step the ranks all-reduce one
+        number per tensor, the mean of this rank's squared gradient, and keep its EMA (Adam's ``beta2``); the
+        frozen (or last refreshed) variance is used times that EMA over its value when the variance was last
+        current. A gradient that grows between refreshes then damps its tensor's steps in the same step, as
+        Adam's own variance would, for 4 bytes per tensor."""
+        groups = {p: g for g in self.param_groups for p in g["params"]}
+        params = [p for p in self._params() if self.state.get(p)]
+        if not params:
+            return
+        local = torch.stack([
+            p.grad.detach().float().square().mean() if p.grad is not None else p.new_zeros((), dtype=torch.float32)
+            for p in params
+        ])  # fmt: skip
+        self.engine.allreduce(local)
+        local.div_(self.engine.world)
+        for p, sample in zip(params, local, strict=True):
+            state, beta2 = self.state[p], groups[p]["betas"][1]
+            if "scale" not in state:  # the first compressed step: the reference is where the variance froze
+                state["scale"] = sample.clone()
+                state["scale_ref"] = sample.clone()
+            else:
+                state["scale"].mul_(beta2).add_(sample, alpha=1 - beta2)
+
+    @staticmethod
+    def _raise_variance(state: dict[str, Any], group: dict[str, Any]) -> None:
+        """``v_hat <- max(v_hat, (m_hat / B_t)^2)``: Adam's update of one coordinate, ``m_hat / sqrt(v_hat)``, is
+        at most ``B_t`` when ``m`` and ``v`` average the same gradients (Kingma & Ba, 2015, Section 2.1; by
+        Cauchy-Schwarz, ``B_t = (1 - b1) / (1 - b1^t) * sqrt((1 - b2^t) / (1 - b2)) * sqrt(sum_{k<t} (b1^2 /
+        b2)^k)``). A frozen variance breaks that where a coordinate's gradients have grown since it was last
+        measured (a token first seen after the warm-up has ``v = 0``): its step is then unbounded. Raising ``v`` to
+        the bound leaves every coordinate whose variance is current as it is, and the same on every rank (``m``
+        and ``v`` are)."""
+        beta1, beta2 = group["betas"]
+        t = state["step"]
+        bound = _step_bound(beta1, beta2, t)
+        # In the un-corrected state: v >= (1 - b2^f) * (m / (1 - b1^t))^2 / B^2, f the variance's own count.
+        scale = math.sqrt(1 - beta2 ** state["frozen_step"]) / ((1 - beta1**t) * bound)
+        if "scale" in state:  # the bound holds for the variance in use (scaled by the tracked gradient scale)
+            scale = scale / _scale_ratio(state).sqrt()
+        floor = state["exp_avg"] * scale
+        torch.maximum(state["exp_avg_sq"], floor.mul_(floor), out=state["exp_avg_sq"])
+
+    @staticmethod
+    def _denominator(state: dict[str, Any], group: dict[str, Any], compressing: bool) -> torch.Tensor:
+        """Adam's ``sqrt(v_hat) + eps``, the frozen variance scaled by its tensor's tracked gradient scale."""
+        denom = state["exp_avg_sq"].sqrt() / (1 - group["betas"][1] ** state["frozen_step"]) ** 0.5
+        if compressing and "scale" in state:
+            denom.mul_(_scale_ratio(state).sqrt())
+        return denom.add_(group["eps"])
 
     def _average_momentum(self) -> None:
         """Every rank's momentum replaced by the ranks' compressed average, in place (no copy of the momenta)."""
         params = [p for p in self._params() if self.state.get(p)]
         momenta = [self.state[p]["exp_avg"] for p in params]
+        denominators = []
+        if self.preconditioned:  # exchanged in the update's units, each rank's bounded as Adam's would be
+            groups = {p: g for g in self.param_groups for p in g["params"]}
+            for p, m in zip(params, momenta, strict=True):
+                state, group = self.state[p], groups[p]
+                d = self._denominator(state, group, True)
+                beta1, beta2 = group["betas"]
+                limit = _step_bound(beta1, beta2, state["step"]) * (1 - beta1 ** state["step"])
+                m.div_(d).clamp_(-limit, limit)
+                denominators.append(d)
         self.engine.exchange_now(self.engine.tensor_segments(momenta, params))
+        for m, d in zip(momenta, denominators, strict=False):
+            m.mul_(d)
 
     def _averaged_gradients(self) -> dict[torch.Tensor, torch.Tensor]:
         """This step's gradients averaged over the ranks with 8-bit stochastic rounding (a refresh step; the DDP
@@ -326,6 +444,20 @@ class CompressedMomentumAdam(torch.optim.Optimizer):
             self.steps = int(own["steps"])
             if self.refresh is not None and own.get("refreshes") is not None:
                 self.refresh.step = int(own["refreshes"])
+
+
+def _step_bound(beta1: float, beta2: float, t: int) -> float:
+    """The largest ``|m_hat| / sqrt(v_hat)`` Adam can reach at step ``t`` (``_raise_variance`` has the formula)."""
+    r = beta1 * beta1 / beta2
+    history = t if r == 1.0 else (1 - r**t) / (1 - r)
+    return (1 - beta1) / (1 - beta1**t) * math.sqrt((1 - beta2**t) / (1 - beta2) * history)
+
+
+def _scale_ratio(state: dict[str, Any]) -> torch.Tensor:
+    """The tracked gradient scale over its value when the variance was last current (1 where either is 0)."""
+    scale, ref = state["scale"], state["scale_ref"]
+    ok = (scale > 0) & (ref > 0)
+    return torch.where(ok, scale / torch.where(ok, ref, 1.0), 1.0)
 
 
 # The step notes its own call for LR schedulers (`_opt_called`), which torch's schedulers would otherwise patch in

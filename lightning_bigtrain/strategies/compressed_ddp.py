@@ -176,7 +176,9 @@ class CompressedDDPStrategy(FaultTolerantStrategyMixin, DDPStrategy):
         every = self.momentum.variance_refresh
         assert isinstance(self.model, DistributedDataParallel)
         refresh = None if every is None else GradientCompression(Quantize(8), self.model.module, seed=1)
-        wrapped = CompressedMomentumAdam.from_optimizer(optimizer, engine, warmup, refresh, every)
+        wrapped = CompressedMomentumAdam.from_optimizer(
+            optimizer, engine, warmup, refresh, every, self.momentum.track_scale, self.momentum.preconditioned
+        )
         for config in self.lr_scheduler_configs:
             if getattr(config.scheduler, "optimizer", None) is optimizer:
                 config.scheduler.optimizer = wrapped
