@@ -97,7 +97,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     defaults = OneBitAdam()
     payload = {"config": {"quick": args.quick, "budgets": budgets, "seeds": seeds, "methods": methods,
-                          "warmup_steps": defaults.warmup_steps, "variance_refresh": defaults.variance_refresh},
+                          "warmup_steps": defaults.warmup_steps, "variance_refresh": defaults.variance_refresh,
+                          "track_scale": defaults.track_scale, "preconditioned": defaults.preconditioned},
                "machine": machine_info(), "figures": figures}  # fmt: skip
     headline = "; ".join(f"{r['model']} {r['method']} {r['vs fp32']}, bytes {r['bytes compressed phase']:.1f}x "
                          f"compressed / {r['bytes whole run']:.1f}x run" for r in rows)  # fmt: skip
@@ -119,6 +120,11 @@ def render_block(results_dir: Path = RESULTS_DIR) -> str:
         if every
         else "the variance frozen after the warm-up"
     )
+    if (results.get("config") or {}).get("track_scale"):  # not recorded: the runs before the guards existed
+        refresh += (
+            "; between refreshes each tensor's variance scaled by its tracked gradient scale and raised to Adam's "
+            "step bound, the momentum exchanged in the update's units"
+        )
     lines = [
         measured_line(results, "onebit_adam.json", results_dir),
         "",

@@ -207,5 +207,64 @@ def test_bad_arguments_are_refused_at_construction():
         OneBitAdam(compressor="zip")
     with pytest.raises(ValueError, match=r"variance_refresh=1\)`: pass an int >= 2"):
         OneBitAdam(variance_refresh=1)
+    with pytest.raises(TypeError, match=r"track_scale=1\)`: pass True or False"):
+        OneBitAdam(track_scale=1)  # type: ignore[arg-type]
     assert OneBitAdam(0.1).resolve_warmup(200) == 20
     assert isinstance(CompressedDDPStrategy("onebit_adam").momentum, OneBitAdam)
+
+
+class _Pairs(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.tensor(i % 2), torch.tensor(1.0)
+
+
+class _Tokens(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(4, 8)
+        self.head = torch.nn.Linear(8, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch  # tokens 0 and 1; from step 5 on, token 3, which no step of the warm-up saw (v froze at 0)
+        x = torch.full_like(x, 3) if self.global_step >= 5 else x
+        return torch.nn.functional.mse_loss(self.head(self.emb(x)).squeeze(-1), y)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=0.01, betas=(0.9, 0.95))
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(_Pairs(), batch_size=1)
+
+
+class _RowSteps(L.Callback):
+    def __init__(self) -> None:
+        self.steps: list[float] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.before = pl_module.emb.weight[3].detach().clone()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.steps.append(float((pl_module.emb.weight[3] - self.before).abs().max()) / 0.01)
+
+
+def _late_token(rank: int, preconditioned: bool) -> list[float]:
+    L.seed_everything(0, verbose=False)
+    track = _RowSteps()
+    strategy = CompressedDDPStrategy(OneBitAdam(warmup_steps=3, variance_refresh=None, preconditioned=preconditioned))
+    trainer = L.Trainer(strategy=strategy, max_steps=10, callbacks=[track], enable_checkpointing=False, **_QUIET)
+    trainer.fit(_Tokens())
+    return track.steps
+
+
+@pytest.mark.parametrize("preconditioned", [True, False])
+def test_a_token_first_seen_after_the_warm_up_steps_no_further_than_adam_could(preconditioned):
+    """Its frozen variance is 0, so the momentum over it would step ``m / eps`` (orders of magnitude beyond the
+    learning rate). The step stays within Adam's own bound (about 1.17 learning rates at betas (0.9, 0.95)), and the
+    row does move."""
+    steps = run_on_ranks(_late_token, preconditioned, init_process_group=False)[0]
+    assert max(steps[:3]) == 0.0, steps  # the warm-up: no gradient, no step
+    assert max(steps) <= 1.17, steps
+    assert max(steps[5:]) > 0.1, steps
