@@ -62,6 +62,8 @@ METHODS: dict[str, str] = {
     "onebit_adam_q8": "ours OneBitAdam(compressor=Quantize(8), variance_refresh=None): the frozen variance alone",
     "onebit_adam_refresh8_w25": "ours OneBitAdam(warmup_steps=0.25): dense past the GPT's 20-step LR warm-up",
     "onebit_adam_raw": "ours OneBitAdam(preconditioned=False): the raw momentum exchanged, as the paper",
+    "onebit_adam_powersgd": "ours OneBitAdam(compressor=PowerSGD(4)): the momentum as rank-4 factors",
+    "onebit_adam_q8r": "ours OneBitAdam(compressor=Quantize(8)): near-lossless momentum, the variance's own cost",
 }
 
 
@@ -89,12 +91,16 @@ def _strategy(method: str) -> Any:
     if method.startswith("torch_"):
         return _TorchHookDDP(method)
     if method.startswith("onebit_adam"):
-        from lightning_bigtrain.compression import OneBit, OneBitAdam, Quantize
+        from lightning_bigtrain.compression import OneBit, OneBitAdam, PowerSGD, Quantize
 
         if method == "onebit_adam":  # the defaults
             return CompressedDDPStrategy(OneBitAdam())
         if method == "onebit_adam_raw":  # the defaults, but the raw momentum exchanged (as the paper)
             return CompressedDDPStrategy(OneBitAdam(preconditioned=False))
+        if method == "onebit_adam_powersgd":  # the defaults, the momentum exchanged as PowerSGD(4) factors
+            return CompressedDDPStrategy(OneBitAdam(compressor=PowerSGD(4)))
+        if method == "onebit_adam_q8r":  # the defaults, the momentum nearly lossless: the variance's own cost
+            return CompressedDDPStrategy(OneBitAdam(compressor=Quantize(8, error_feedback=True)))
         # The earlier ablations, as they ran: the raw momentum exchanged, the variance untracked between refreshes.
         paper: dict[str, Any] = {"track_scale": False, "preconditioned": False}
         if method.startswith("onebit_adam_refresh"):  # onebit_adam_refresh<K>[_w<percent>]: refresh every K
@@ -495,7 +501,8 @@ SHORT = {"fp32": "fp32 DDP", "torch_fp16": "torch fp16 hook", "torch_powersgd": 
          "onebit_adam": "OneBitAdam", "onebit_adam_block": "OneBitAdam, OneBit(block=256)",
          "onebit_adam_q8": "OneBitAdam, Quantize(8)", "onebit_adam_frozen": "OneBitAdam, frozen variance",
          "onebit_adam_refresh8_w25": "OneBitAdam, 25% warm-up",
-         "onebit_adam_raw": "OneBitAdam, raw momentum"}  # fmt: skip
+         "onebit_adam_raw": "OneBitAdam, raw momentum", "onebit_adam_powersgd": "OneBitAdam, PowerSGD(4) momentum",
+         "onebit_adam_q8r": "OneBitAdam, Quantize(8) momentum"}  # fmt: skip
 
 
 def _label(results: dict[str, Any], method: str) -> str:

@@ -28,8 +28,17 @@ METHODS = ("fp32", "onebit_adam")
 #: feedback), which leaves the frozen variance alone as the difference from Adam; and the defaults with a 25% dense
 #: warm-up, which outlasts the char-GPT's 20-step learning-rate warm-up (the default 15% ends inside it). These ran
 #: before the variance was tracked between refreshes and the momentum exchanged preconditioned, and still run so;
-#: ``onebit_adam_raw`` is today's defaults with the raw momentum exchanged.
-ABLATIONS = ("onebit_adam_frozen", "onebit_adam_block", "onebit_adam_q8", "onebit_adam_refresh8_w25", "onebit_adam_raw")
+#: ``onebit_adam_raw`` is today's defaults with the raw momentum exchanged, ``onebit_adam_powersgd`` with the momentum
+#: as PowerSGD(4) factors, ``onebit_adam_q8r`` with it in 8 bits (near-lossless: what the variance alone costs).
+ABLATIONS = (
+    "onebit_adam_frozen",
+    "onebit_adam_block",
+    "onebit_adam_q8",
+    "onebit_adam_refresh8_w25",
+    "onebit_adam_raw",
+    "onebit_adam_powersgd",
+    "onebit_adam_q8r",
+)
 
 
 def _args(method: str, model: str, steps: int, seed: int, quick: bool) -> list[str]:
