@@ -23,11 +23,11 @@ the last one, ``v <- beta2^K v + (1 - beta2^K) g^2``, so its time constant in st
 exchanged on a refresh step (it is computed from the same averaged gradient on every rank). Bytes per compressed-
 phase step with ``OneBit`` at 2 ranks: ``((K - 1) / 32 + 1 / 3.94) / K`` of dense, about 1/17 at ``K = 8``.
 
-Between refreshes a frozen variance goes stale in two ways, and both broke the char-GPT at its peak learning rate
-(a loss spike from 3.4 to 7 one step after the gradients grew, at the fifth compressed step): a gradient that grows
-is not damped (Adam's variance would grow in the same step), and a coordinate whose variance was ~0 when it froze (a
-token first seen after the warm-up) steps ``m / eps``. Three guards, none of which changes Adam where its variance
-is current:
+Between refreshes a frozen variance goes stale in two ways, and both spiked the char-GPT's loss at its peak learning
+rate (``docs/compression.md``): a gradient that grows is not damped (Adam's variance would grow in the same step),
+and a coordinate whose variance was ~0 when it froze (a token first seen after the warm-up; or one with no momentum,
+which ``OneBit`` still sends the tensor's shared magnitude) steps ``m / eps``. Three guards, none of which changes
+Adam where its variance is current:
 
 - **Tracked scale** (``track_scale``): every step the ranks all-reduce one number per tensor, the mean of their
   squared local gradients, and keep its EMA (Adam's ``beta2``); the variance in use is the refreshed one times that
