@@ -194,7 +194,7 @@ class CompressedMomentumAdam(torch.optim.Optimizer):
         refresh: GradientCompression | None = None,
         refresh_every: int | None = None,
         track_scale: bool = True,
-        preconditioned: bool = False,
+        preconditioned: bool = True,
         **defaults: Any,
     ) -> None:
         super().__init__(params, defaults)
@@ -218,7 +218,7 @@ class CompressedMomentumAdam(torch.optim.Optimizer):
         refresh: GradientCompression | None = None,
         refresh_every: int | None = None,
         track_scale: bool = True,
-        preconditioned: bool = False,
+        preconditioned: bool = True,
     ) -> CompressedMomentumAdam:
         """The equivalent of ``optimizer`` (``Adam`` / ``AdamW``), sharing its parameter groups."""
         name = type(optimizer).__name__
