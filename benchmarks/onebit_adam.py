@@ -29,7 +29,9 @@ METHODS = ("fp32", "onebit_adam")
 #: warm-up, which outlasts the char-GPT's 20-step learning-rate warm-up (the default 15% ends inside it). These ran
 #: before the variance was tracked between refreshes and the momentum exchanged preconditioned, and still run so;
 #: ``onebit_adam_raw`` is today's defaults with the raw momentum exchanged, ``onebit_adam_powersgd`` with the momentum
-#: as PowerSGD(4) factors, ``onebit_adam_q8r`` with it in 8 bits (near-lossless: what the variance alone costs).
+#: as PowerSGD(4) factors, ``onebit_adam_q8r`` with it in 8 bits (near-lossless: what the variance alone costs);
+#: ``onebit_adam_gradients8`` is the defaults before the variance was refreshed from the ranks' own second moments
+#: (``refresh_from="gradients"``, one 8-bit averaged gradient every 8th step).
 ABLATIONS = (
     "onebit_adam_frozen",
     "onebit_adam_block",
@@ -38,6 +40,7 @@ ABLATIONS = (
     "onebit_adam_raw",
     "onebit_adam_powersgd",
     "onebit_adam_q8r",
+    "onebit_adam_gradients8",
 )
 
 
@@ -107,7 +110,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     defaults = OneBitAdam()
     payload = {"config": {"quick": args.quick, "budgets": budgets, "seeds": seeds, "methods": methods,
                           "warmup_steps": defaults.warmup_steps, "variance_refresh": defaults.variance_refresh,
-                          "track_scale": defaults.track_scale, "preconditioned": defaults.preconditioned},
+                          "track_scale": defaults.track_scale, "preconditioned": defaults.preconditioned,
+                          "refresh_from": defaults.refresh_from},
                "machine": machine_info(), "figures": figures}  # fmt: skip
     headline = "; ".join(f"{r['model']} {r['method']} {r['vs fp32']}, bytes {r['bytes compressed phase']:.1f}x "
                          f"compressed / {r['bytes whole run']:.1f}x run" for r in rows)  # fmt: skip
@@ -123,12 +127,17 @@ def render_block(results_dir: Path = RESULTS_DIR) -> str:
 
     results = load_results(results_dir, "onebit_adam.json")
     f = results["figures"]
-    every = (results.get("config") or {}).get("variance_refresh")  # not recorded: the run before the refresh existed
-    refresh = (
-        f"and every {every}th step the gradients averaged in 8 bits to refresh the variance"
-        if every
-        else "the variance frozen after the warm-up"
-    )
+    config = results.get("config") or {}
+    every = config.get("variance_refresh")  # not recorded: the run before the refresh existed
+    if not every:
+        refresh = "the variance frozen after the warm-up"
+    elif config.get("refresh_from") == "squares":  # not recorded: the runs that refreshed from sampled gradients
+        refresh = (
+            f"and every {every}th step the ranks' own running second moments averaged in 8 bits into the averaged "
+            "gradient's variance"
+        )
+    else:
+        refresh = f"and every {every}th step the gradients averaged in 8 bits to refresh the variance"
     if (results.get("config") or {}).get("track_scale"):  # not recorded: the runs before the guards existed
         refresh += (
             "; between refreshes each tensor's variance scaled by its tracked gradient scale and raised to Adam's "

@@ -49,6 +49,8 @@ class GradientCompression:
             self._names.setdefault(id(p), (name, index))
         self.errors: dict[str, torch.Tensor] = {}
         self.factors: dict[str, torch.Tensor] = {}
+        # Other per-rank tensors an optimizer keeps here so that they are checkpointed per rank (as `errors` are).
+        self.rank_state: dict[str, torch.Tensor] = {}
         # This step's updates, committed by `advance` only if all its averages were finite.
         self._staged_errors: dict[str, torch.Tensor] = {}
         self._staged_factors: dict[str, torch.Tensor] = {}
@@ -101,6 +103,13 @@ class GradientCompression:
         if spare is None or spare.numel() != like.numel() or spare.dtype != like.dtype or spare.device != like.device:
             return torch.empty_like(like)
         return spare.view(like.shape)
+
+    def param_name(self, p: torch.Tensor) -> str:
+        """The name that keys ``p``'s per-rank state (its name in the module)."""
+        named = self._names.get(id(p))
+        if named is None:
+            raise KeyError("GradientCompression.param_name: the parameter is not the module's")
+        return named[0]
 
     def workspace(self, key: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A reused scratch tensor of at least ``numel`` elements (only valid during one exchange)."""
@@ -217,6 +226,7 @@ class GradientCompression:
             "dense_bytes": self.dense_bytes,
             "errors": {k: v.detach().cpu().clone() for k, v in self.errors.items()},
             "factors": {k: v.detach().cpu().clone() for k, v in self.factors.items()},
+            "rank_state": {k: v.detach().cpu().clone() for k, v in self.rank_state.items()},
         }
 
     def load_state_dict(self, state: dict[str, Any], *, errors: bool = True) -> None:
@@ -226,3 +236,4 @@ class GradientCompression:
         self.dense_bytes = float(state.get("dense_bytes", 0.0))
         self.errors = dict(state["errors"]) if errors else {}
         self.factors = dict(state["factors"])
+        self.rank_state = dict(state.get("rank_state", {})) if errors else {}

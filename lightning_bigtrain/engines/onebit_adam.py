@@ -16,12 +16,23 @@ A variance frozen for good is what the paper does, and it costs a short run its 
 settled by the end of the warm-up (our char-GPT: AdamW betas (0.9, 0.95), a 20-step LR warm-up, frozen at step 15;
 ``docs/compression.md`` has the ablation). 0/1 Adam (Lu et al., 2022, "Maximizing Communication Efficiency for
 Large-scale Training via 0/1 Adam") keeps updating the variance at sparse steps instead. Ours does that at a fixed
-interval (``variance_refresh``, default every 8th compressed-phase step): on a refresh step the ranks exchange their
-gradients with 8-bit stochastic rounding (unbiased, a quarter of fp32's bytes), and both the momentum and the
-variance are updated from that average as in a warm-up step; the variance's sample stands for the ``K`` steps since
-the last one, ``v <- beta2^K v + (1 - beta2^K) g^2``, so its time constant in steps stays Adam's. No momentum is
-exchanged on a refresh step (it is computed from the same averaged gradient on every rank). Bytes per compressed-
-phase step with ``OneBit`` at 2 ranks: ``((K - 1) / 32 + 1 / 3.94) / K`` of dense, about 1/17 at ``K = 8``.
+interval (``variance_refresh``, default every 10th compressed-phase step), from one of two sources
+(``refresh_from``):
+
+- ``"squares"`` (the default): every step each rank folds its *own* squared gradient into its own running second
+  moment (an EMA with Adam's ``beta2``, one more buffer the size of the parameters; no bytes). A refresh averages the
+  ranks' second moments (their square roots, with 8-bit stochastic rounding: a quarter of fp32's bytes) and turns
+  them into the variance of the *averaged* gradient, which is what Adam's ``v`` measures: with ``W`` ranks whose
+  gradients have mean ``mu`` and noise ``sigma^2`` each, ``E[g_i^2] = mu^2 + sigma^2`` but ``E[g_bar^2] = mu^2 +
+  sigma^2 / W``, so ``v = s / W + (1 - 1 / W) mu^2`` with ``s`` the ranks' mean second moment and ``mu`` the averaged
+  momentum (at most ``s``). The variance so refreshed summarises every step since the last refresh, as Adam's does.
+  The momentum is exchanged on a refresh step too. Bytes per compressed-phase step with ``OneBit`` at 2 ranks:
+  ``(K / 32 + 1 / 3.94) / K`` of dense, about 1/18 at ``K = 10``.
+- ``"gradients"``: on a refresh step the ranks exchange that step's gradients with 8-bit stochastic rounding instead
+  of the momentum, and both the momentum and the variance are updated from that average as in a warm-up step; the
+  one sample stands for the ``K`` steps since the last one, ``v <- beta2^K v + (1 - beta2^K) g^2``. One sample per
+  ``K`` steps is a noisy variance (the char-GPT's worst seed lost most of its gap to dense AdamW to it). Bytes:
+  ``((K - 1) / 32 + 1 / 3.94) / K`` of dense.
 
 Between refreshes a frozen variance goes stale in two ways, and both spiked the char-GPT's loss at its peak learning
 rate (``docs/compression.md``): a gradient that grows is not damped (Adam's variance would grow in the same step),
@@ -60,6 +71,9 @@ from lightning_bigtrain.functional.compression import COMPRESSION_NAMES, Compres
 
 __all__ = ["CompressedMomentumAdam", "OneBitAdam"]
 
+#: Where a variance refresh takes the variance from (``OneBitAdam(refresh_from=...)``).
+REFRESH_SOURCES = ("squares", "gradients")
+
 
 class OneBitAdam:
     """Compressed-momentum Adam for ``CompressedDDPStrategy(compression=OneBitAdam(...))``.
@@ -71,30 +85,34 @@ class OneBitAdam:
         warmup_steps: Optimizer steps of plain Adam over all-reduced fp32 gradients before the variance is frozen:
             an int, or a fraction in ``(0, 1)`` of the run's optimizer steps (``trainer.estimated_stepping_batches``).
             The whole run's bytes are about ``f + (1 - f) r`` of dense, ``r`` the compressed phase's share
-            (``1 / 32`` frozen, about ``1 / 17`` refreshed every 8th step, with ``OneBit`` at 2 ranks), so ``0.15``
-            keeps 5x fewer bytes over the run.
+            (``1 / 32`` frozen, about ``1 / 18`` refreshed every 10th step, with ``OneBit`` at 2 ranks), so
+            ``0.15`` keeps 5x fewer bytes over the run.
         compressor: How the momentum is exchanged (with error feedback): ``OneBit()`` (the paper), or ``TopK``,
             ``PowerSGD``, ``Quantize``, or one of their names. Its own ``warmup_steps`` must be 0 (this warm-up
             is the one that counts).
-        variance_refresh: Every how many compressed-phase steps the variance is refreshed from 8-bit averaged
-            gradients (an int >= 2; the module docstring has the method), or ``None`` for the paper's variance
-            frozen after the warm-up. ``8`` keeps the compressed phase over 16x fewer bytes than fp32 with
-            ``OneBit`` (about 1/17 of fp32's bytes at 2 ranks).
+        variance_refresh: Every how many compressed-phase steps the variance is refreshed (an int >= 2; the module
+            docstring has the method), or ``None`` for the paper's variance frozen after the warm-up. ``10`` keeps
+            the compressed phase over 16x fewer bytes than fp32 with ``OneBit`` (about 1/18 at 2 ranks).
         track_scale: Between refreshes, scale each tensor's variance by its gradient's tracked mean square (one
             number per tensor all-reduced per step), so a gradient that grows damps its steps at once as Adam's
             variance would. ``False``: the variance moves only at refreshes.
         preconditioned: Exchange the momentum divided by Adam's denominator (the update's units, each rank's
             bounded by Adam's own step bound), so the compressor's shared scale and its error feedback weigh every
             coordinate by its step, not by its raw momentum. ``False``: the raw momentum, as the paper.
+        refresh_from: ``"squares"``: a refresh averages the ranks' own running second moments (kept every step,
+            one more buffer the size of the parameters per rank) into the averaged gradient's variance;
+            ``"gradients"``: it averages one step's gradients instead of that step's momentum and folds their
+            square in (no extra buffer; a noisier variance).
     """
 
     def __init__(
         self,
         warmup_steps: int | float = 0.15,
         compressor: Compressor | str = "onebit",
-        variance_refresh: int | None = 8,
+        variance_refresh: int | None = 10,
         track_scale: bool = True,
         preconditioned: bool = True,
+        refresh_from: str = "squares",
     ) -> None:
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, (int, float)):
             raise TypeError(f"`OneBitAdam(warmup_steps={warmup_steps!r})`: pass an int or a fraction in (0, 1).")
@@ -137,6 +155,12 @@ class OneBitAdam:
         for name, flag in (("track_scale", track_scale), ("preconditioned", preconditioned)):
             if not isinstance(flag, bool):
                 raise TypeError(f"`OneBitAdam({name}={flag!r})`: pass True or False.")
+        if refresh_from not in REFRESH_SOURCES:
+            raise ValueError(
+                f"`OneBitAdam(refresh_from={refresh_from!r})`: pass 'squares' (each rank's running mean of its "
+                "squared gradients, averaged at a refresh) or 'gradients' (one 8-bit averaged gradient per refresh)."
+            )
+        self.refresh_from = refresh_from
         self.warmup_steps = warmup_steps
         self.compressor = compressor
         self.variance_refresh = variance_refresh
@@ -158,7 +182,7 @@ class OneBitAdam:
         return (
             f"OneBitAdam(warmup_steps={self.warmup_steps!r}, compressor={self.compressor!r}, "
             f"variance_refresh={self.variance_refresh!r}, track_scale={self.track_scale!r}, "
-            f"preconditioned={self.preconditioned!r})"
+            f"preconditioned={self.preconditioned!r}, refresh_from={self.refresh_from!r})"
         )
 
 
@@ -167,16 +191,19 @@ class CompressedMomentumAdam(torch.optim.Optimizer):
 
     Built by the strategy from the module's optimizer (:meth:`from_optimizer`): it shares that optimizer's
     ``param_groups`` (learning rate, betas, eps, weight decay; an LR scheduler bound to either acts on both). Its
-    state per parameter: ``step``, ``exp_avg`` (the momentum, identical on every rank) and ``exp_avg_sq`` (frozen
-    after the warm-up); each rank's error-feedback buffers live in ``engine`` (checkpointed by the strategy).
+    state per parameter: ``step``, ``exp_avg`` (the momentum, identical on every rank), ``exp_avg_sq`` (frozen
+    after the warm-up but for refreshes), ``frozen_step`` (its count) and with ``track_scale`` ``scale``/``scale_ref``;
+    each rank's error-feedback buffers and, with ``refresh_from="squares"``, its running second moments live in
+    ``engine`` (checkpointed per rank by the strategy).
 
     Args:
         params: Parameter groups (see :meth:`from_optimizer`).
         engine: The compression engine that averages the momentum (its compressor's error feedback per parameter).
         warmup_steps: Dense Adam steps before the variance is frozen.
         decoupled: AdamW's decoupled weight decay (else Adam's L2 term added to the gradient).
-        refresh: The engine that averages the gradients in 8 bits at a variance refresh (with ``refresh_every``).
+        refresh: The engine that averages in 8 bits at a variance refresh (with ``refresh_every``).
         refresh_every: Every how many compressed-phase steps the variance is refreshed (None: frozen).
+        refresh_from: What a refresh averages: the ranks' running second moments or one step's gradients.
         track_scale: Scale each tensor's variance by its tracked gradient scale between refreshes.
         preconditioned: Exchange the momentum in the update's units (divided by Adam's denominator).
 
@@ -195,9 +222,13 @@ class CompressedMomentumAdam(torch.optim.Optimizer):
         refresh_every: int | None = None,
         track_scale: bool = True,
         preconditioned: bool = True,
+        refresh_from: str = "squares",
         **defaults: Any,
     ) -> None:
         super().__init__(params, defaults)
+        if refresh_from not in REFRESH_SOURCES:
+            raise ValueError(f"CompressedMomentumAdam(refresh_from={refresh_from!r}): pass one of {REFRESH_SOURCES}.")
+        self.refresh_from = refresh_from
         self.preconditioned = preconditioned
         self.track_scale = track_scale
         if (refresh is None) != (refresh_every is None):
@@ -219,6 +250,7 @@ class CompressedMomentumAdam(torch.optim.Optimizer):
         refresh_every: int | None = None,
         track_scale: bool = True,
         preconditioned: bool = True,
+        refresh_from: str = "squares",
     ) -> CompressedMomentumAdam:
         """The equivalent of ``optimizer`` (``Adam`` / ``AdamW``), sharing its parameter groups."""
         name = type(optimizer).__name__
@@ -245,6 +277,7 @@ class CompressedMomentumAdam(torch.optim.Optimizer):
             refresh_every=refresh_every,
             track_scale=track_scale,
             preconditioned=preconditioned,
+            refresh_from=refresh_from,
             lr=first["lr"],
             betas=first["betas"],
             eps=first["eps"],
@@ -285,9 +318,10 @@ class CompressedMomentumAdam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         compressing, refreshing = self.compressing, self.refreshing
+        squares = self.refresh_from == "squares"
         if compressing and self.track_scale:
             self._track_scale()
-        grads = self._averaged_gradients() if refreshing else {}
+        grads = self._averaged_gradients() if refreshing and not squares else {}
         span = self.refresh_every or 1
         # 1. Momentum (and, in the warm-up or at a refresh, variance) from this step's gradients: all-reduced in
         #    the warm-up, 8-bit averaged at a refresh, this rank's own otherwise. Every parameter takes part after
@@ -307,6 +341,10 @@ class CompressedMomentumAdam(torch.optim.Optimizer):
                 if not compressing:
                     state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
                     state["frozen_step"] = state["step"] + 1  # the variance's bias correction, kept when frozen
+                elif squares:
+                    # This rank's own variance, every step, from where the shared one froze; a refresh averages them.
+                    self._local_sq(p, state).mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                    state["local_step"] += 1
                 elif refreshing:
                     # One sample stands for the `span` steps since the last one: weight it as their EMA would.
                     keep = beta2**span
@@ -317,8 +355,10 @@ class CompressedMomentumAdam(torch.optim.Optimizer):
                 state["step"] += 1
         # 2. After the warm-up, but at a refresh: the ranks' momenta averaged, compressed with error feedback; then
         #    the variance raised where the averaged momentum shows it stale (Adam's own bound on a step).
-        if compressing and not refreshing:
+        if compressing and not (refreshing and not squares):
             self._average_momentum()
+        if refreshing and squares:
+            self._refresh_from_squares()
         if compressing:
             for group in self.param_groups:
                 for p in group["params"]:
@@ -409,6 +449,47 @@ class CompressedMomentumAdam(torch.optim.Optimizer):
         for m, d in zip(momenta, denominators, strict=False):
             m.mul_(d)
 
+    def _local_sq(self, p: torch.Tensor, state: dict[str, Any]) -> torch.Tensor:
+        """This rank's running second moment of ``p``'s gradient. It differs between ranks, so it is kept in the
+        engine's per-rank state (checkpointed per rank, like the error-feedback buffers), not in the optimizer's
+        state (saved from rank 0 only); where it is missing (the first compressed step, or a checkpoint written at
+        another world size) it starts from the shared variance."""
+        key = self.engine.param_name(p)
+        local = self.engine.rank_state.get(key)
+        if local is None or local.shape != p.shape or "local_step" not in state:
+            local = self.engine.rank_state[key] = state["exp_avg_sq"].clone()
+            state["local_step"] = state["frozen_step"]
+        elif local.device != p.device:
+            local = self.engine.rank_state[key] = local.to(p.device)
+        return local
+
+    def _refresh_from_squares(self) -> None:
+        """The shared variance re-estimated from every rank's own second moment (its EMA of its squared gradients,
+        kept every step): the variance Adam would have, that of the *averaged* gradient, is ``E[g_bar^2] = mu^2 +
+        sigma^2 / W`` where each rank's is ``E[g_i^2] = mu^2 + sigma^2`` (``W`` ranks, noise ``sigma^2`` per rank),
+        so ``v = s / W + (1 - 1 / W) mu^2`` with ``s`` the ranks' mean second moment and ``mu^2`` estimated by the
+        averaged momentum's square (bias-corrected, at most ``s``). ``s`` is averaged from the ranks' root mean
+        squares with 8-bit stochastic rounding, then squared. Only the bytes are counted on the momentum's engine:
+        the dense equivalent of the step is its momentum's exchange."""
+        assert self.refresh is not None
+        groups = {p: g for g in self.param_groups for p in g["params"]}
+        params = [p for p in self._params() if "local_step" in self.state.get(p, {})]
+        roots = [self._local_sq(p, self.state[p]).sqrt() for p in params]
+        sent = self.refresh.sent_bytes
+        self.refresh.exchange_now(self.refresh.tensor_segments(roots, params))
+        self.refresh.advance()
+        self.engine.sent_bytes += self.refresh.sent_bytes - sent
+        world = self.engine.world
+        for p, root in zip(params, roots, strict=True):
+            state, (beta1, beta2) = self.state[p], groups[p]["betas"]
+            f = state["local_step"]
+            second = root.square_().div_(1 - beta2**f)  # the ranks' mean second moment, bias-corrected
+            v = _variance_of_the_mean(second, state["exp_avg"] / (1 - beta1 ** state["step"]), world)
+            state["exp_avg_sq"].copy_(v.mul_(1 - beta2**f))  # stored un-corrected, with its count
+            state["frozen_step"] = f
+            if "scale" in state:  # the variance is current again: its scale is measured from here
+                state["scale_ref"] = state["scale"].clone()
+
     def _averaged_gradients(self) -> dict[torch.Tensor, torch.Tensor]:
         """This step's gradients averaged over the ranks with 8-bit stochastic rounding (a refresh step; the DDP
         hook left each rank its own). The bytes are counted on the momentum's engine."""
@@ -451,6 +532,14 @@ def _step_bound(beta1: float, beta2: float, t: int) -> float:
     r = beta1 * beta1 / beta2
     history = t if r == 1.0 else (1 - r**t) / (1 - r)
     return (1 - beta1) / (1 - beta1**t) * math.sqrt((1 - beta2**t) / (1 - beta2) * history)
+
+
+def _variance_of_the_mean(second: torch.Tensor, mean: torch.Tensor, world: int) -> torch.Tensor:
+    """``E[g_bar^2]`` of the ranks' averaged gradient from their mean second moment ``second`` (``E[g_i^2]``) and
+    the gradient's mean ``mean``: ``second / W + (1 - 1 / W) min(mean^2, second)`` (``_refresh_from_squares`` has
+    the derivation). Overwrites ``second``."""
+    signal = torch.minimum(mean.square(), second)
+    return second.div_(world).add_(signal, alpha=1 - 1 / world)
 
 
 def _scale_ratio(state: dict[str, Any]) -> torch.Tensor:

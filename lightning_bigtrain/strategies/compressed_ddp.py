@@ -177,7 +177,14 @@ class CompressedDDPStrategy(FaultTolerantStrategyMixin, DDPStrategy):
         assert isinstance(self.model, DistributedDataParallel)
         refresh = None if every is None else GradientCompression(Quantize(8), self.model.module, seed=1)
         wrapped = CompressedMomentumAdam.from_optimizer(
-            optimizer, engine, warmup, refresh, every, self.momentum.track_scale, self.momentum.preconditioned
+            optimizer,
+            engine,
+            warmup,
+            refresh,
+            every,
+            self.momentum.track_scale,
+            self.momentum.preconditioned,
+            self.momentum.refresh_from,
         )
         for config in self.lr_scheduler_configs:
             if getattr(config.scheduler, "optimizer", None) is optimizer:

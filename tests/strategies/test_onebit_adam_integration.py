@@ -58,8 +58,9 @@ def _run(rank: int, what: str, steps: int, folder: str | None = None) -> dict[st
         strategy: Any = "ddp"
     elif what == "topk":
         strategy = CompressedDDPStrategy(OneBitAdam(warmup_steps=4, compressor=TopK(0.05)))
-    elif what == "refresh":
-        strategy = CompressedDDPStrategy(OneBitAdam(warmup_steps=4, variance_refresh=3))
+    elif what in ("refresh", "squares"):
+        source = "squares" if what == "squares" else "gradients"
+        strategy = CompressedDDPStrategy(OneBitAdam(warmup_steps=4, variance_refresh=3, refresh_from=source))
     else:
         warmup = steps if what == "warm_only" else 4
         strategy = CompressedDDPStrategy(OneBitAdam(warmup_steps=warmup, variance_refresh=None))  # the paper's
@@ -127,11 +128,26 @@ def test_variance_refreshes_send_a_quarter_and_keep_replicas_identical():
         assert sum(r["losses"][-3:]) / 3 < r["losses"][0] - 0.3
 
 
-def _resumed(rank: int, folder: str) -> float:
+def test_refreshes_from_the_ranks_variances_send_the_momentum_and_a_quarter_and_keep_replicas_identical():
+    """refresh_from='squares': every step each rank folds its own squared gradient into its running second moment;
+    every third compressed step the ranks average those in 8 bits (about a quarter of fp32's bytes) on top of the
+    1-bit momentum, which is exchanged on every compressed step."""
+    for r in run_on_ranks(_run, "squares", 12, init_process_group=False):
+        assert r["replicas_equal"]
+        per_step = [b - a for a, b in zip(r["sent"], r["sent"][1:], strict=False)]  # steps 2..12
+        dense = r["dense_per_step"]
+        refreshes = [per_step[i] for i in (5, 8)]  # optimizer steps 7 and 10
+        assert all(dense / 3.7 < b < dense / 3.2 for b in refreshes), (refreshes, dense)
+        others = [b for i, b in enumerate(per_step[3:], start=3) if i not in (5, 8)]
+        assert max(others) <= dense / 16, (others, dense)
+        assert sum(r["losses"][-3:]) / 3 < r["losses"][0] - 0.3
+
+
+def _resumed(rank: int, folder: str, source: str = "gradients") -> float:
     def fit(max_steps: int, resume: str | None) -> torch.Tensor:
         L.seed_everything(0, verbose=False)
         saves = [ModelCheckpoint(dirpath=folder, filename="{step}", every_n_train_steps=7, save_top_k=-1)]
-        strategy = CompressedDDPStrategy(OneBitAdam(warmup_steps=4, variance_refresh=3))
+        strategy = CompressedDDPStrategy(OneBitAdam(warmup_steps=4, variance_refresh=3, refresh_from=source))
         trainer = L.Trainer(strategy=strategy, max_steps=max_steps,
                             callbacks=saves if resume is None else [], enable_checkpointing=resume is None,
                             **_QUIET)  # fmt: skip
@@ -144,10 +160,11 @@ def _resumed(rank: int, folder: str) -> float:
     return float((whole - resumed).abs().max())
 
 
-def test_a_run_resumed_in_the_compressed_phase_is_bit_identical(tmp_path):
-    """Momentum, frozen variance, phase, the refreshes' rounding seeds and each rank's error-feedback buffers are
-    in the checkpoint (resumed between two variance refreshes)."""
-    assert run_on_ranks(_resumed, str(tmp_path), init_process_group=False) == [0.0, 0.0]
+@pytest.mark.parametrize("source", ["gradients", "squares"])
+def test_a_run_resumed_in_the_compressed_phase_is_bit_identical(tmp_path, source):
+    """Momentum, frozen variance, each rank's running second moment, phase, the refreshes' rounding seeds and each
+    rank's error-feedback buffers are in the checkpoint (resumed between two variance refreshes)."""
+    assert run_on_ranks(_resumed, str(tmp_path), source, init_process_group=False) == [0.0, 0.0]
 
 
 def _refused(rank: int, case: str) -> str:
@@ -209,6 +226,8 @@ def test_bad_arguments_are_refused_at_construction():
         OneBitAdam(variance_refresh=1)
     with pytest.raises(TypeError, match=r"track_scale=1\)`: pass True or False"):
         OneBitAdam(track_scale=1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"refresh_from='sq'\)`: pass 'squares'"):
+        OneBitAdam(refresh_from="sq")
     assert OneBitAdam(0.1).resolve_warmup(200) == 20
     assert isinstance(CompressedDDPStrategy("onebit_adam").momentum, OneBitAdam)
 
