@@ -38,8 +38,11 @@ $(DATA)/shakespeare/.ready: lightning_bigtrain/data/prepare.py lightning_bigtrai
 	$(PY) -m lightning_bigtrain.data.prepare shakespeare --root $(DATA)
 	@touch $@
 
+# Two pytest workers, one test file each at a time (module fixtures run once): a 2-rank fit leaves a core idle for
+# much of its time (start-up, rendezvous, checkpoint I/O). `make test TEST_WORKERS=0` runs in one process.
+TEST_WORKERS ?= 2
 test: venv data
-	$(PY) -m pytest tests --durations=15
+	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 # Extra demo flags, e.g. `make demo DEMO_ARGS="--strategy ddp --compression powersgd"`.
 DEMO_ARGS ?=

@@ -56,7 +56,7 @@ METHODS: dict[str, str] = {
     "onebit_noef": "ours OneBit(), no error feedback",
     "powersgd_warm": "ours PowerSGD(rank=4), first 10 steps dense",
     "topk_warm": "ours TopK(0.01), first 10 steps dense",
-    "onebit_adam": "ours OneBitAdam(): first 15% of steps dense, then 1-bit momentum, variance refreshed every 10th",
+    "onebit_adam": "ours OneBitAdam(): first 15% of steps dense, then 1-bit momentum, variance refreshed every 8th",
     "onebit_adam_frozen": "ours OneBitAdam(variance_refresh=None): the paper's 1-bit Adam, variance frozen",
     "onebit_adam_block": "ours OneBitAdam(compressor=OneBit(block=256), variance_refresh=None): scale per 256",
     "onebit_adam_q8": "ours OneBitAdam(compressor=Quantize(8), variance_refresh=None): the frozen variance alone",
@@ -64,7 +64,7 @@ METHODS: dict[str, str] = {
     "onebit_adam_raw": "ours OneBitAdam(preconditioned=False): the raw momentum exchanged, as the paper",
     "onebit_adam_powersgd": "ours OneBitAdam(compressor=PowerSGD(4)): the momentum as rank-4 factors",
     "onebit_adam_q8r": "ours OneBitAdam(compressor=Quantize(8)): near-lossless momentum, the variance's own cost",
-    "onebit_adam_gradients8": "ours OneBitAdam(refresh_from='gradients', variance_refresh=8): one sampled gradient",
+    "onebit_adam_squares10": "ours OneBitAdam(refresh_from='squares', variance_refresh=10): the ranks' own variances",
 }
 
 
@@ -102,9 +102,9 @@ def _strategy(method: str) -> Any:
             return CompressedDDPStrategy(OneBitAdam(compressor=PowerSGD(4)))
         if method == "onebit_adam_q8r":  # the defaults, the momentum nearly lossless: the variance's own cost
             return CompressedDDPStrategy(OneBitAdam(compressor=Quantize(8, error_feedback=True)))
-        if method.startswith("onebit_adam_gradients"):  # onebit_adam_gradients<K>: one sampled gradient every K
-            every = int(method.removeprefix("onebit_adam_gradients"))
-            return CompressedDDPStrategy(OneBitAdam(refresh_from="gradients", variance_refresh=every))
+        if method.startswith("onebit_adam_squares"):  # onebit_adam_squares<K>: the ranks' own variances every K
+            every = int(method.removeprefix("onebit_adam_squares"))
+            return CompressedDDPStrategy(OneBitAdam(refresh_from="squares", variance_refresh=every))
         # The earlier ablations, as they ran: the raw momentum exchanged, the variance untracked between refreshes.
         paper: dict[str, Any] = {"track_scale": False, "preconditioned": False, "refresh_from": "gradients"}
         if method.startswith("onebit_adam_refresh"):  # onebit_adam_refresh<K>[_w<percent>]: refresh every K
@@ -507,7 +507,7 @@ SHORT = {"fp32": "fp32 DDP", "torch_fp16": "torch fp16 hook", "torch_powersgd": 
          "onebit_adam_refresh8_w25": "OneBitAdam, 25% warm-up",
          "onebit_adam_raw": "OneBitAdam, raw momentum", "onebit_adam_powersgd": "OneBitAdam, PowerSGD(4) momentum",
          "onebit_adam_q8r": "OneBitAdam, Quantize(8) momentum",
-         "onebit_adam_gradients8": "OneBitAdam, gradient-sampled variance every 8th"}  # fmt: skip
+         "onebit_adam_squares10": "OneBitAdam, ranks' variances every 10th"}  # fmt: skip
 
 
 def _label(results: dict[str, Any], method: str) -> str:

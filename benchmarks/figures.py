@@ -301,7 +301,12 @@ BLOCKS: dict[str, Block] = {
         Block("ddp", _module("benchmarks.ddp"), ("docs/zero.md",), ("ddp.json",)),
         Block("precision", _module("benchmarks.precision"), ("docs/bf16.md",), ("precision*.json",)),
         Block("compression", _module("benchmarks.compression"), ("docs/compression.md",), ("compression.json",)),
-        Block("onebit-adam", _module("benchmarks.onebit_adam"), ("docs/compression.md",), ("onebit_adam.json",)),
+        Block(
+            "onebit-adam",
+            _module("benchmarks.onebit_adam"),
+            ("docs/compression.md",),
+            ("onebit_adam.json", "onebit_adam_squares.json"),
+        ),
         Block(
             "compression-quality",
             _module("benchmarks.compression", "render_quality_block"),

@@ -30,8 +30,8 @@ METHODS = ("fp32", "onebit_adam")
 #: before the variance was tracked between refreshes and the momentum exchanged preconditioned, and still run so;
 #: ``onebit_adam_raw`` is today's defaults with the raw momentum exchanged, ``onebit_adam_powersgd`` with the momentum
 #: as PowerSGD(4) factors, ``onebit_adam_q8r`` with it in 8 bits (near-lossless: what the variance alone costs);
-#: ``onebit_adam_gradients8`` is the defaults before the variance was refreshed from the ranks' own second moments
-#: (``refresh_from="gradients"``, one 8-bit averaged gradient every 8th step).
+#: ``onebit_adam_squares10`` refreshes every 10th step from the ranks' own running second moments (``refresh_from=
+#: "squares"``; ``results/onebit_adam_squares.json`` is the run that had it as the defaults).
 ABLATIONS = (
     "onebit_adam_frozen",
     "onebit_adam_block",
@@ -40,7 +40,7 @@ ABLATIONS = (
     "onebit_adam_raw",
     "onebit_adam_powersgd",
     "onebit_adam_q8r",
-    "onebit_adam_gradients8",
+    "onebit_adam_squares10",
 )
 
 
@@ -167,6 +167,21 @@ def render_block(results_dir: Path = RESULTS_DIR) -> str:
             f"{value(dense['mean'])} | {value(ours['mean'])} | {gap} | {ours['compressed_phase_ratio']:.1f}x | "
             f"{ours['whole_run_ratio']:.1f}x |"
         )
+    squares_file = results_dir / "onebit_adam_squares.json"
+    if squares_file.exists():  # the run that had refresh_from="squares" (every 10th step) as the defaults
+        other = load_results(results_dir, "onebit_adam_squares.json")
+        g = other["figures"]
+        lines += [
+            "",
+            f"`refresh_from=\"squares\"`, `variance_refresh={other['config']['variance_refresh']}` (the ranks' own "
+            f"running second moments; `benchmarks/results/onebit_adam_squares.json`, the defaults at commit "
+            f"`{other['commit']}`, `{other['command']}`, the same seeds): char-GPT "
+            f"{100 * g['gpt']['gap']:+.2f}% val loss vs dense (per seed "
+            f"{', '.join(sig(v) for v in g['gpt']['methods']['onebit_adam']['values'])} against "
+            f"{', '.join(sig(v) for v in g['gpt']['methods']['fp32']['values'])}), CNN {g['cnn']['gap']:+.2f} pts; "
+            f"bytes {g['gpt']['methods']['onebit_adam']['compressed_phase_ratio']:.1f}x fewer in the compressed "
+            f"phase, {g['gpt']['methods']['onebit_adam']['whole_run_ratio']:.1f}x over the run.",
+        ]
     return "\n".join(lines)
 
 

@@ -16,23 +16,21 @@ A variance frozen for good is what the paper does, and it costs a short run its 
 settled by the end of the warm-up (our char-GPT: AdamW betas (0.9, 0.95), a 20-step LR warm-up, frozen at step 15;
 ``docs/compression.md`` has the ablation). 0/1 Adam (Lu et al., 2022, "Maximizing Communication Efficiency for
 Large-scale Training via 0/1 Adam") keeps updating the variance at sparse steps instead. Ours does that at a fixed
-interval (``variance_refresh``, default every 10th compressed-phase step), from one of two sources
-(``refresh_from``):
+interval (``variance_refresh``, default every 8th compressed-phase step), from one of two sources (``refresh_from``):
 
-- ``"squares"`` (the default): every step each rank folds its *own* squared gradient into its own running second
-  moment (an EMA with Adam's ``beta2``, one more buffer the size of the parameters; no bytes). A refresh averages the
-  ranks' second moments (their square roots, with 8-bit stochastic rounding: a quarter of fp32's bytes) and turns
-  them into the variance of the *averaged* gradient, which is what Adam's ``v`` measures: with ``W`` ranks whose
-  gradients have mean ``mu`` and noise ``sigma^2`` each, ``E[g_i^2] = mu^2 + sigma^2`` but ``E[g_bar^2] = mu^2 +
-  sigma^2 / W``, so ``v = s / W + (1 - 1 / W) mu^2`` with ``s`` the ranks' mean second moment and ``mu`` the averaged
-  momentum (at most ``s``). The variance so refreshed summarises every step since the last refresh, as Adam's does.
-  The momentum is exchanged on a refresh step too. Bytes per compressed-phase step with ``OneBit`` at 2 ranks:
-  ``(K / 32 + 1 / 3.94) / K`` of dense, about 1/18 at ``K = 10``.
-- ``"gradients"``: on a refresh step the ranks exchange that step's gradients with 8-bit stochastic rounding instead
-  of the momentum, and both the momentum and the variance are updated from that average as in a warm-up step; the
-  one sample stands for the ``K`` steps since the last one, ``v <- beta2^K v + (1 - beta2^K) g^2``. One sample per
-  ``K`` steps is a noisy variance (the char-GPT's worst seed lost most of its gap to dense AdamW to it). Bytes:
-  ``((K - 1) / 32 + 1 / 3.94) / K`` of dense.
+- ``"gradients"`` (the default): on a refresh step the ranks exchange that step's gradients with 8-bit stochastic
+  rounding (unbiased, a quarter of fp32's bytes) instead of the momentum, and both the momentum and the variance
+  are updated from that average as in a warm-up step; the one sample stands for the ``K`` steps since the last
+  one, ``v <- beta2^K v + (1 - beta2^K) g^2``, so its time constant in steps stays Adam's. Bytes per compressed-
+  phase step with ``OneBit`` at 2 ranks: ``((K - 1) / 32 + 1 / 3.94) / K`` of dense, about 1/17 at ``K = 8``.
+- ``"squares"``: every step each rank folds its *own* squared gradient into its own running second moment (an EMA
+  with Adam's ``beta2``, one more buffer the size of the parameters; no bytes). A refresh averages the ranks' second
+  moments (their square roots, in 8 bits) and turns them into the variance of the *averaged* gradient, which is what
+  Adam's ``v`` measures: with ``W`` ranks whose gradients have mean ``mu`` and noise ``sigma^2`` each, ``E[g_i^2] =
+  mu^2 + sigma^2`` but ``E[g_bar^2] = mu^2 + sigma^2 / W``, so ``v = s / W + (1 - 1 / W) mu^2`` with ``s`` the ranks'
+  mean second moment and ``mu`` the averaged momentum (at most ``s``). It summarises every step since the last
+  refresh instead of one sample, but did not train the char-GPT better (``docs/compression.md``). The momentum is
+  exchanged on a refresh step too: ``(K / 32 + 1 / 3.94) / K`` of dense, over 16x fewer bytes from ``K = 10``.
 
 Between refreshes a frozen variance goes stale in two ways, and both spiked the char-GPT's loss at its peak learning
 rate (``docs/compression.md``): a gradient that grows is not damped (Adam's variance would grow in the same step),
@@ -85,34 +83,34 @@ class OneBitAdam:
         warmup_steps: Optimizer steps of plain Adam over all-reduced fp32 gradients before the variance is frozen:
             an int, or a fraction in ``(0, 1)`` of the run's optimizer steps (``trainer.estimated_stepping_batches``).
             The whole run's bytes are about ``f + (1 - f) r`` of dense, ``r`` the compressed phase's share
-            (``1 / 32`` frozen, about ``1 / 18`` refreshed every 10th step, with ``OneBit`` at 2 ranks), so
+            (``1 / 32`` frozen, about ``1 / 17`` refreshed every 8th step, with ``OneBit`` at 2 ranks), so
             ``0.15`` keeps 5x fewer bytes over the run.
         compressor: How the momentum is exchanged (with error feedback): ``OneBit()`` (the paper), or ``TopK``,
             ``PowerSGD``, ``Quantize``, or one of their names. Its own ``warmup_steps`` must be 0 (this warm-up
             is the one that counts).
         variance_refresh: Every how many compressed-phase steps the variance is refreshed (an int >= 2; the module
-            docstring has the method), or ``None`` for the paper's variance frozen after the warm-up. ``10`` keeps
-            the compressed phase over 16x fewer bytes than fp32 with ``OneBit`` (about 1/18 at 2 ranks).
+            docstring has the method), or ``None`` for the paper's variance frozen after the warm-up. ``8`` keeps
+            the compressed phase over 16x fewer bytes than fp32 with ``OneBit`` (about 1/17 at 2 ranks; with
+            ``refresh_from="squares"``, which also sends the momentum on a refresh step, ``10`` does).
         track_scale: Between refreshes, scale each tensor's variance by its gradient's tracked mean square (one
             number per tensor all-reduced per step), so a gradient that grows damps its steps at once as Adam's
             variance would. ``False``: the variance moves only at refreshes.
         preconditioned: Exchange the momentum divided by Adam's denominator (the update's units, each rank's
             bounded by Adam's own step bound), so the compressor's shared scale and its error feedback weigh every
             coordinate by its step, not by its raw momentum. ``False``: the raw momentum, as the paper.
-        refresh_from: ``"squares"``: a refresh averages the ranks' own running second moments (kept every step,
-            one more buffer the size of the parameters per rank) into the averaged gradient's variance;
-            ``"gradients"``: it averages one step's gradients instead of that step's momentum and folds their
-            square in (no extra buffer; a noisier variance).
+        refresh_from: ``"gradients"``: a refresh averages one step's gradients instead of that step's momentum and
+            folds their square in. ``"squares"``: it averages the ranks' own running second moments (kept every
+            step, one more buffer the size of the parameters per rank) into the averaged gradient's variance.
     """
 
     def __init__(
         self,
         warmup_steps: int | float = 0.15,
         compressor: Compressor | str = "onebit",
-        variance_refresh: int | None = 10,
+        variance_refresh: int | None = 8,
         track_scale: bool = True,
         preconditioned: bool = True,
-        refresh_from: str = "squares",
+        refresh_from: str = "gradients",
     ) -> None:
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, (int, float)):
             raise TypeError(f"`OneBitAdam(warmup_steps={warmup_steps!r})`: pass an int or a fraction in (0, 1).")
@@ -222,7 +220,7 @@ class CompressedMomentumAdam(torch.optim.Optimizer):
         refresh_every: int | None = None,
         track_scale: bool = True,
         preconditioned: bool = True,
-        refresh_from: str = "squares",
+        refresh_from: str = "gradients",
         **defaults: Any,
     ) -> None:
         super().__init__(params, defaults)
@@ -250,7 +248,7 @@ class CompressedMomentumAdam(torch.optim.Optimizer):
         refresh_every: int | None = None,
         track_scale: bool = True,
         preconditioned: bool = True,
-        refresh_from: str = "squares",
+        refresh_from: str = "gradients",
     ) -> CompressedMomentumAdam:
         """The equivalent of ``optimizer`` (``Adam`` / ``AdamW``), sharing its parameter groups."""
         name = type(optimizer).__name__
