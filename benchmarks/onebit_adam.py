@@ -173,7 +173,7 @@ def render_block(results_dir: Path = RESULTS_DIR) -> str:
         g = other["figures"]
         lines += [
             "",
-            f"`refresh_from=\"squares\"`, `variance_refresh={other['config']['variance_refresh']}` (the ranks' own "
+            f'`refresh_from="squares"`, `variance_refresh={other["config"]["variance_refresh"]}` (the ranks\' own '
             f"running second moments; `benchmarks/results/onebit_adam_squares.json`, the defaults at commit "
             f"`{other['commit']}`, `{other['command']}`, the same seeds): char-GPT "
             f"{100 * g['gpt']['gap']:+.2f}% val loss vs dense (per seed "
