@@ -143,8 +143,13 @@ def render_block(results_dir: Path = RESULTS_DIR) -> str:
             "; between refreshes each tensor's variance scaled by its tracked gradient scale and raised to Adam's "
             "step bound, the momentum exchanged in the update's units"
         )
+    squares_file = results_dir / "onebit_adam_squares.json"
+    other = load_results(results_dir, "onebit_adam_squares.json") if squares_file.exists() else None
+    first = measured_line(results, "onebit_adam.json", results_dir)
+    if other is not None:  # the run that had refresh_from="squares" (every 10th step) as the defaults
+        first += " The line under the table: " + measured_line(other, "onebit_adam_squares.json", results_dir)
     lines = [
-        measured_line(results, "onebit_adam.json", results_dir),
+        first,
         "",
         "Over loopback (both ranks on one host), the same seeds for both; `OneBitAdam()` as it was then (dense for "
         f"the first 15% of the steps, then 1-bit momentum with error feedback, {refresh}) against dense fp32 AdamW DDP "
@@ -167,15 +172,12 @@ def render_block(results_dir: Path = RESULTS_DIR) -> str:
             f"{value(dense['mean'])} | {value(ours['mean'])} | {gap} | {ours['compressed_phase_ratio']:.1f}x | "
             f"{ours['whole_run_ratio']:.1f}x |"
         )
-    squares_file = results_dir / "onebit_adam_squares.json"
-    if squares_file.exists():  # the run that had refresh_from="squares" (every 10th step) as the defaults
-        other = load_results(results_dir, "onebit_adam_squares.json")
+    if other is not None:
         g = other["figures"]
         lines += [
             "",
             f'`refresh_from="squares"`, `variance_refresh={other["config"]["variance_refresh"]}` (the ranks\' own '
-            f"running second moments; `benchmarks/results/onebit_adam_squares.json`, the defaults at commit "
-            f"`{other['commit']}`, `{other['command']}`, the same seeds): char-GPT "
+            "running second moments; the defaults at the second commit named above, the same seeds): char-GPT "
             f"{100 * g['gpt']['gap']:+.2f}% val loss vs dense (per seed "
             f"{', '.join(sig(v) for v in g['gpt']['methods']['onebit_adam']['values'])} against "
             f"{', '.join(sig(v) for v in g['gpt']['methods']['fp32']['values'])}), CNN {g['cnn']['gap']:+.2f} pts; "
