@@ -138,7 +138,7 @@ def render_block(results_dir: Path = RESULTS_DIR) -> str:
         )
     else:
         refresh = f"and every {every}th step the gradients averaged in 8 bits to refresh the variance"
-    if (results.get("config") or {}).get("track_scale"):  # not recorded: the runs before the guards existed
+    if config.get("track_scale"):  # not recorded: the runs before the guards existed
         refresh += (
             "; between refreshes each tensor's variance scaled by its tracked gradient scale and raised to Adam's "
             "step bound, the momentum exchanged in the update's units"

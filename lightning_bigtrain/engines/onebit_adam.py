@@ -158,6 +158,12 @@ class OneBitAdam:
                 f"`OneBitAdam(refresh_from={refresh_from!r})`: pass 'squares' (each rank's running mean of its "
                 "squared gradients, averaged at a refresh) or 'gradients' (one 8-bit averaged gradient per refresh)."
             )
+        if refresh_from == "squares" and variance_refresh is None:
+            raise ValueError(
+                "`OneBitAdam(refresh_from='squares', variance_refresh=None)`: a frozen variance is never refreshed, "
+                "so there is nothing to refresh it from; pass variance_refresh=10 (or another int >= 2), or leave "
+                "refresh_from at 'gradients'."
+            )
         self.refresh_from = refresh_from
         self.warmup_steps = warmup_steps
         self.compressor = compressor
@@ -316,7 +322,7 @@ class CompressedMomentumAdam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         compressing, refreshing = self.compressing, self.refreshing
-        squares = self.refresh_from == "squares"
+        squares = self.refresh_from == "squares" and self.refresh_every is not None
         if compressing and self.track_scale:
             self._track_scale()
         grads = self._averaged_gradients() if refreshing and not squares else {}
@@ -469,14 +475,10 @@ class CompressedMomentumAdam(torch.optim.Optimizer):
         averaged momentum's square (bias-corrected, at most ``s``). ``s`` is averaged from the ranks' root mean
         squares with 8-bit stochastic rounding, then squared. Only the bytes are counted on the momentum's engine:
         the dense equivalent of the step is its momentum's exchange."""
-        assert self.refresh is not None
         groups = {p: g for g in self.param_groups for p in g["params"]}
         params = [p for p in self._params() if "local_step" in self.state.get(p, {})]
         roots = [self._local_sq(p, self.state[p]).sqrt() for p in params]
-        sent = self.refresh.sent_bytes
-        self.refresh.exchange_now(self.refresh.tensor_segments(roots, params))
-        self.refresh.advance()
-        self.engine.sent_bytes += self.refresh.sent_bytes - sent
+        self._refresh_exchange(roots, params, count_dense=False)
         world = self.engine.world
         for p, root in zip(params, roots, strict=True):
             state, (beta1, beta2) = self.state[p], groups[p]["betas"]
@@ -494,12 +496,20 @@ class CompressedMomentumAdam(torch.optim.Optimizer):
         assert self.refresh is not None
         params = [p for p in self._params() if self.state.get(p)]
         grads = [p.grad.contiguous() if p.grad is not None else torch.zeros_like(p) for p in params]
+        self._refresh_exchange(grads, params, count_dense=True)
+        return dict(zip(params, grads, strict=True))
+
+    def _refresh_exchange(self, tensors: list[torch.Tensor], params: list[torch.Tensor], *, count_dense: bool) -> None:
+        """Average ``tensors`` (shaped like ``params``) over the ranks in place with the refresh's 8-bit stochastic
+        rounding, its bytes counted on the momentum's engine; its dense equivalent too where it stands in for the
+        step's momentum exchange (``count_dense``), not where it comes on top of one."""
+        assert self.refresh is not None
         sent, dense = self.refresh.sent_bytes, self.refresh.dense_bytes
-        self.refresh.exchange_now(self.refresh.tensor_segments(grads, params))
+        self.refresh.exchange_now(self.refresh.tensor_segments(tensors, params))
         self.refresh.advance()
         self.engine.sent_bytes += self.refresh.sent_bytes - sent
-        self.engine.dense_bytes += self.refresh.dense_bytes - dense
-        return dict(zip(params, grads, strict=True))
+        if count_dense:
+            self.engine.dense_bytes += self.refresh.dense_bytes - dense
 
     def state_dict(self) -> dict[str, Any]:
         out = super().state_dict()

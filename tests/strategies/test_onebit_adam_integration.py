@@ -228,6 +228,8 @@ def test_bad_arguments_are_refused_at_construction():
         OneBitAdam(track_scale=1)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"refresh_from='sq'\)`: pass 'squares'"):
         OneBitAdam(refresh_from="sq")
+    with pytest.raises(ValueError, match=r"nothing to refresh it from; pass variance_refresh=10"):
+        OneBitAdam(refresh_from="squares", variance_refresh=None)
     assert OneBitAdam(0.1).resolve_warmup(200) == 20
     assert isinstance(CompressedDDPStrategy("onebit_adam").momentum, OneBitAdam)
 
