@@ -5,6 +5,7 @@
     bigtrain demo --output runs/demo
     bigtrain consolidate runs/zero3/checkpoints/last.ckpt model.ckpt
     bigtrain plan --config configs/zero3.yaml --devices 8 --num-nodes 4 --device-memory 80GB
+    bigtrain tune --config configs/tune.yaml --trials 20
 
 Models and datamodules are given by ``class_path`` (any LightningModule / LightningDataModule);
 lightning_bigtrain's strategies, callbacks and plugins are reachable by ``class_path`` and by their
@@ -62,7 +63,8 @@ class BigtrainCLI(LightningCLI):
         kwargs.setdefault(
             "parser_kwargs",
             {"description": "lightning_bigtrain: fit/validate/test/predict any LightningModule. "
-                            "Also: `bigtrain demo --help`, `bigtrain consolidate --help`, `bigtrain plan --help`."},
+                            "Also: `bigtrain demo --help`, `bigtrain consolidate --help`, `bigtrain plan --help`, "
+                            "`bigtrain tune --help`."},
         )  # fmt: skip
         super().__init__(*args, **kwargs)
 
@@ -145,6 +147,10 @@ def _main(argv: list[str] | None) -> None:
         from lightning_bigtrain.planning.cli import main as plan_main
 
         sys.exit(plan_main(args[1:]))
+    if args and args[0] == "tune":
+        from lightning_bigtrain.tune.cli import main as tune_main
+
+        sys.exit(tune_main(args[1:]))
     try:
         BigtrainCLI(args=args)
     except Exception as err:

@@ -1,0 +1,236 @@
+"""`bigtrain tune`: the search space and config checks, the planner's gate, step-level pruning on 2 ranks, a
+killed study that continues, and two workers on one storage. Trials are real `bigtrain fit` runs of the
+Fashion-MNIST CNN on a small subset."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lightning_bigtrain.tune import SearchSpace, Tuner, TunerConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+BIGTRAIN = str(Path(sys.executable).with_name("bigtrain"))
+
+
+def _base(devices: int = 1) -> dict:
+    return {
+        "seed_everything": 0,
+        "trainer": {"accelerator": "cpu", "devices": devices, "strategy": "ddp" if devices > 1 else "auto",
+                    "max_epochs": 1, "limit_train_batches": 12, "limit_val_batches": 2,
+                    "enable_progress_bar": False, "enable_model_summary": False, "logger": False},
+        "model": {"class_path": "lightning_bigtrain.models.FashionCNN", "init_args": {"channels": [4, 8]}},
+        "data": {"class_path": "lightning_bigtrain.data.FashionMNISTDataModule",
+                 "init_args": {"batch_size": 32, "subset": 512}},
+    }  # fmt: skip
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "BIGTRAIN_DATA": os.environ.get("BIGTRAIN_DATA", str(ROOT / "data")),
+            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+
+
+def _write_tune(tmp_path: Path, base: dict, **extra: object) -> Path:
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump(base))
+    config = {"base": "base.yaml", "output": str(tmp_path / "study"), "study": {"name": "t", "seed": 0},
+              "space": {"model.init_args.lr": {"low": 1e-3, "high": 3e-2, "log": True}}, **extra}  # fmt: skip
+    path = tmp_path / "tune.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+# -- bad input: named, at construction --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("spec", "needle"),
+    [
+        ({"model.init_args.lr": {"low": 1e-2, "high": 1e-3}}, "is above `high`"),
+        ({"model.init_args.lr": {"low": 0.0, "high": 1.0, "log": True}}, "log-scale range needs `low` > 0"),
+        ({"model.init_args.lr": {"low": 1e-3}}, "needs both `low` and `high`"),
+        ({"model.init_args.lr": {"choices": [[1, 2]]}}, "Name structured choices with a mapping"),
+        ({"model.init_args.lr": {"chioces": [1, 2]}}, "unknown key(s) ['chioces']"),
+        ({"trainer.stratgy.x": {"choices": ["ddp"]}}, "has no `trainer.stratgy`"),
+        ({"model.init_args.lr": 0.1}, "give a mapping"),
+    ],
+)
+def test_bad_search_space_is_named(spec, needle):
+    with pytest.raises(ValueError) as err:
+        SearchSpace(spec, _base())
+    assert needle in str(err.value)
+    assert next(iter(spec)).split(".")[0] in str(err.value)
+
+
+def test_bad_tune_config_is_named(tmp_path):
+    with pytest.raises(TunerConfigError, match="Optuna's pruners take one objective"):
+        Tuner(_base(), {"model.init_args.lr": {"low": 1e-3, "high": 1e-2}},
+              objectives={"val_loss": "minimize", "step_time": "minimize"}, pruner="median")  # fmt: skip
+    with pytest.raises(TunerConfigError, match="choose minimize or maximize"):
+        Tuner(_base(), {"model.init_args.lr": {"low": 1e-3, "high": 1e-2}}, objectives={"val_loss": "lower"})
+    with pytest.raises(TunerConfigError, match="not a pruner"):
+        Tuner(_base(), {"model.init_args.lr": {"low": 1e-3, "high": 1e-2}}, pruner="medain")
+    with pytest.raises(TunerConfigError, match="unknown section"):
+        Tuner.from_yaml(_write_tune(tmp_path, _base(), sapce={}))
+    with pytest.raises(ValueError, match=r"`overrides\.trainer\.nope\.x`"):
+        Tuner(_base(), {"model.init_args.lr": {"low": 1e-3, "high": 1e-2}}, overrides={"trainer.nope.x": 1})
+
+
+def test_structured_choices_and_trial_config(tmp_path):
+    import optuna
+
+    tuner = Tuner(_base(), {"model.init_args.channels": {"choices": {"small": [4, 8], "wide": [16, 32]}},
+                            "data.init_args.batch_size": {"choices": [16, 32]}},
+                  output=tmp_path / "s", pruner=None)  # fmt: skip
+    values = tuner.space.suggest(optuna.trial.FixedTrial({"model.init_args.channels": "wide",
+                                                          "data.init_args.batch_size": 16}))  # fmt: skip
+    assert values == {"model.init_args.channels": [16, 32], "data.init_args.batch_size": 16}
+    config = tuner.trial_config(values, tmp_path / "s" / "trial_0000")
+    assert config["model"]["init_args"]["channels"] == [16, 32]
+    names = [cb["class_path"].rsplit(".", 1)[-1] for cb in config["trainer"]["callbacks"]]
+    assert names == ["ModelCheckpoint", "TuneTrial"]
+    assert "TuneTrial" not in yaml.safe_dump(tuner.fit_config(values))
+
+
+TUNE_CONFIGS = sorted(p.name for p in (ROOT / "configs").glob("*.yaml") if "base" in yaml.safe_load(p.read_text()))
+
+
+@pytest.mark.parametrize("name", TUNE_CONFIGS)
+def test_every_tune_config_makes_trials_that_parse_and_plan(name, tmp_path, capsys, monkeypatch):
+    """Each shipped tune config: loads, its sampled trial config is a valid `bigtrain fit` config, and the planner
+    has a row for it (so that the gate acts)."""
+    import optuna
+
+    from lightning_bigtrain.cli import main
+    from lightning_bigtrain.tune.tuner import predict_peak
+
+    monkeypatch.chdir(ROOT)
+    tuner = Tuner.from_yaml(ROOT / "configs" / name, output=str(tmp_path / "s"))
+    trial = optuna.trial.FixedTrial({p.path: _first_choice(p) for p in tuner.space.parameters})
+    config = tuner.trial_config(tuner.space.suggest(trial), tmp_path / "s" / "trial_0000", trial_id=0)
+    (tmp_path / "trial.yaml").write_text(yaml.safe_dump(config))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(tmp_path / "trial.yaml"), "--print_config"])
+    assert exit_info.value.code in (0, None), capsys.readouterr().err[-3000:]
+    assert tuner.device_memory is not None
+    row, peak, budget = predict_peak(config, tuner.device_memory, tuner.sample_shape, tuner.optimizer)
+    assert 0 < peak < budget, (row, peak, budget)
+
+
+def _first_choice(p):
+    if p.choices is not None:
+        return next(iter(p.choices)) if p.named else next(iter(p.choices.values()))
+    return p.low
+
+
+# -- the planner's gate ---------------------------------------------------------------------------------------------
+
+
+def test_infeasible_configuration_is_recorded_and_never_launched(tmp_path):
+    import optuna
+
+    space = {"data.init_args.batch_size": {"choices": [16, 8192]}}
+    tuner = Tuner(_base(), space, trials=4, output=tmp_path / "s", sampler="random", seed=0, pruner=None,
+                  device_memory="24MB", sample_shape=[1, 28, 28])  # fmt: skip
+    for batch in (8192, 8192):  # both refused before anything starts
+        tuner.study.enqueue_trial({"data.init_args.batch_size": batch})
+    tuner.run(trials=2)
+    trials = tuner.study.get_trials()
+    assert [t.state for t in trials] == [optuna.trial.TrialState.PRUNED] * 2
+    for t in trials:
+        assert t.user_attrs["bigtrain:status"] == "infeasible"
+        assert "over device_memory=24MB" in t.user_attrs["bigtrain:reason"]
+        assert t.constraints["memory"] > 0
+        folder = Path(t.user_attrs["bigtrain:dir"])
+        assert not (folder / "log.txt").exists() and not (folder / "result.json").exists()
+    assert "infeasible" in tuner.table()
+
+
+# -- a real study: pruning on 2 ranks -------------------------------------------------------------------------------
+
+
+@pytest.mark.integration
+def test_pruned_trial_stops_on_both_ranks_at_the_same_step(tmp_path):
+    import optuna
+
+    base = _base(devices=2)
+    base["trainer"]["limit_train_batches"] = 30
+    path = _write_tune(tmp_path, base, trials=1, pruning={"pruner": {"name": "threshold", "upper": 1.0},
+                                                          "report_every": 4})  # fmt: skip
+    run = subprocess.run([BIGTRAIN, "tune", "--config", str(path)], cwd=tmp_path, env=_env(), capture_output=True,
+                         text=True, timeout=600)  # fmt: skip
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    tuner = Tuner.from_yaml(path)
+    (trial,) = tuner.study.get_trials()
+    assert trial.state == optuna.trial.TrialState.PRUNED and trial.user_attrs["bigtrain:status"] == "pruned"
+    result = json.loads((Path(trial.user_attrs["bigtrain:dir"]) / "result.json").read_text())
+    assert result["world_size"] == 2
+    # The untrained CNN's loss is ~2.3 > 1.0: the first report (step 4) prunes, and both ranks stop there.
+    assert result["pruned_at_step"] == 4 and result["stopped_at_step_per_rank"] == [4, 4]
+    assert list(trial.intermediate_values) == [4] and trial.intermediate_values[4] > 1.0
+    assert "pruned" in run.stdout
+
+
+# -- a killed study continues; two workers share one storage --------------------------------------------------------
+
+
+@pytest.mark.integration
+def test_killed_study_continues_from_the_trials_checkpoint(tmp_path):
+    import optuna
+
+    base = _base()
+    base["trainer"]["max_epochs"] = 3  # 16 batches each
+    base["trainer"]["limit_train_batches"] = None
+    base["trainer"]["callbacks"] = [{"class_path": "tests.helpers.tune.SlowSteps", "init_args": {"seconds": 0.15}}]
+    path = _write_tune(tmp_path, base, trials=1, checkpoint_every_n_steps=5)
+    cmd = [BIGTRAIN, "tune", "--config", str(path)]
+    driver = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    ckpt = tmp_path / "study" / "trial_0000" / "checkpoints" / "last.ckpt"
+    deadline = time.monotonic() + 300
+    while not ckpt.exists() and driver.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert ckpt.exists(), (driver.stdout.read() if driver.stdout else b"")[-3000:]
+    # The job dies whole (driver and trial, as when a node is lost): the trial is left RUNNING in the study.
+    driver.send_signal(signal.SIGKILL)
+    driver.wait()
+    os.killpg(json.loads((ckpt.parent.parent / "owner.json").read_text())["pgid"], signal.SIGKILL)
+    assert not (tmp_path / "study" / "trial_0000" / "result.json").exists()
+    run = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    assert "adopting trial 0" in run.stdout
+    (trial,) = Tuner.from_yaml(path).study.get_trials()
+    assert trial.state == optuna.trial.TrialState.COMPLETE and trial.user_attrs["bigtrain:launches"] == 2
+    folder = Path(trial.user_attrs["bigtrain:dir"])
+    assert json.loads((folder / "result.json").read_text())["steps"] == 48
+    assert "Restoring states from the checkpoint path" in (folder / "log.txt").read_text()
+
+
+@pytest.mark.integration
+def test_two_workers_share_one_study(tmp_path):
+    import optuna
+
+    path = _write_tune(tmp_path, _base(), trials=4, pruning={"pruner": "none"})
+    cmd = [BIGTRAIN, "tune", "--config", str(path)]
+    workers = [subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True) for _ in range(2)]  # fmt: skip
+    outs = [w.communicate(timeout=600)[0] for w in workers]
+    assert all(w.returncode == 0 for w in workers), outs[0][-2000:] + outs[1][-2000:]
+    tuner = Tuner.from_yaml(path)
+    trials = tuner.study.get_trials()
+    assert len(trials) == 4 and all(t.state == optuna.trial.TrialState.COMPLETE for t in trials)
+    assert all(t.user_attrs["bigtrain:launches"] == 1 for t in trials)
+    launched = [[n for n in range(4) if f"trial {n} launched" in out] for out in outs]
+    assert all(launched) and sorted(launched[0] + launched[1]) == [0, 1, 2, 3]
+    (best,) = tuner.write_best_configs()
+    config = yaml.safe_load(best.read_text())
+    assert "callbacks" not in config["trainer"]  # a plain fit config: no tuning parts
+    check = subprocess.run([BIGTRAIN, "fit", "--config", str(best), "--print_config"], cwd=tmp_path, env=_env(),
+                           capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert check.returncode == 0, check.stderr[-2000:]
