@@ -21,6 +21,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from lightning_bigtrain.callbacks.report import _first_tensor
 from lightning_bigtrain.functional.memory import peak_memory_bytes
 
 __all__ = ["MEASURES", "TuneTrial", "make_pruner", "open_storage"]
@@ -94,10 +95,15 @@ class TuneTrial(Callback):
         study_name: The study's name; needed only when pruning.
         trial_id: The Optuna trial id (``trial._trial_id``); needed only when pruning.
         pruner: The study's pruner spec (:func:`make_pruner`); ``None`` turns pruning off.
-        report_every: Optimizer steps between reports to the pruner.
+        report_every: Optimizer steps (``report_unit="steps"``) or training samples over all ranks
+            (``"samples"``) between reports to the pruner.
+        report_unit: ``"steps"``, or ``"samples"``: the trial reports at multiples of ``report_every`` samples
+            seen, so that trials with different batch sizes are compared by the pruner at the same amount of data
+            (Optuna's pruners compare trials at equal report steps). Samples per step are the global batch: rank
+            0's first batch x ranks x ``accumulate_grad_batches``.
         monitor: What is reported: ``"train_loss"`` (the mean training loss since the last report, averaged over
-            ranks) or a metric the module logs (its latest value, averaged over ranks). Lower is taken as better
-            when the study minimizes.
+            ranks; negated when the study maximizes, so that the pruner ranks it the right way), or a metric the
+            module logs (its latest value, averaged over ranks), taken to improve in the study's direction.
         warmup_steps: Optimizer steps left out of ``step_time`` (start-up, first calls, compilation).
     """
 
@@ -110,11 +116,14 @@ class TuneTrial(Callback):
         trial_id: int | None = None,
         pruner: str | dict[str, Any] | None = None,
         report_every: int = 50,
+        report_unit: str = "steps",
         monitor: str = "train_loss",
         warmup_steps: int = 2,
     ) -> None:
         if isinstance(report_every, bool) or not isinstance(report_every, int) or report_every < 1:
-            raise ValueError(f"`TuneTrial(report_every={report_every!r})`: optimizer steps, an int >= 1.")
+            raise ValueError(f"`TuneTrial(report_every={report_every!r})`: an int >= 1 ({report_unit}).")
+        if report_unit not in ("steps", "samples"):
+            raise ValueError(f"`TuneTrial(report_unit={report_unit!r})`: choose 'steps' or 'samples'.")
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
             raise ValueError(f"`TuneTrial(warmup_steps={warmup_steps!r})`: optimizer steps, an int >= 0.")
         self.pruning = pruner is not None and pruner != "none"
@@ -129,7 +138,10 @@ class TuneTrial(Callback):
         self.trial_id = trial_id
         self.pruner_spec = pruner
         self.report_every = report_every
+        self.report_unit = report_unit
         self.monitor = monitor
+        self._sign = 1.0
+        self._samples_per_step: int | None = None
         self.warmup_steps = warmup_steps
         self._trial: Any = None
         self.pruned_at: int | None = None
@@ -160,6 +172,8 @@ class TuneTrial(Callback):
                 f"{len(study.directions)}. Give `pruner=None` for a multi-objective study."
             )
         self._trial = optuna.Trial(study, int(self.trial_id))  # type: ignore[arg-type]
+        maximize = study.direction == optuna.study.StudyDirection.MAXIMIZE
+        self._sign = -1.0 if maximize and self.monitor == "train_loss" else 1.0
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -182,9 +196,24 @@ class TuneTrial(Callback):
             if pl_module.device.type == "cuda":
                 torch.cuda.synchronize(pl_module.device)
             self._t0, self._step0 = time.perf_counter(), step
-        if self.pruning and step > self._last_report and step % self.report_every == 0:
+        if not self.pruning:
+            return
+        if self.report_unit == "steps":
+            if step > self._last_report and step % self.report_every == 0:
+                self._last_report = step
+                self._report(trainer, pl_module, step)
+            return
+        if self._samples_per_step is None:
+            local = _first_tensor(batch)
+            rows = int(local.shape[0]) if local is not None and local.ndim > 0 else 0
+            rows = int(trainer.strategy.broadcast(rows, src=0))  # one number for every rank: same report steps
+            if rows < 1:
+                raise ValueError("`TuneTrial(report_unit='samples')`: the batch holds no tensor to count samples in.")
+            self._samples_per_step = rows * trainer.world_size * trainer.accumulate_grad_batches
+        bucket = step * self._samples_per_step // self.report_every
+        if step > self._last_report and bucket > self._last_report * self._samples_per_step // self.report_every:
             self._last_report = step
-            self._report(trainer, pl_module, step)
+            self._report(trainer, pl_module, bucket * self.report_every)
 
     def _report(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
         if self.monitor == "train_loss":
@@ -209,11 +238,11 @@ class TuneTrial(Callback):
         prune = False
         if trainer.is_global_zero:
             assert self._trial is not None
-            self._trial.report(mean if math.isfinite(mean) else float("nan"), step)
+            self._trial.report(self._sign * mean if math.isfinite(mean) else float("nan"), step)
             prune = bool(self._trial.should_prune()) or not math.isfinite(mean)
         prune = bool(trainer.strategy.broadcast(prune, src=0))
         if prune:
-            self.pruned_at = step
+            self.pruned_at = trainer.global_step  # the optimizer step (``step`` is the report's, maybe samples)
             trainer.should_stop = True
 
     @override

@@ -82,7 +82,8 @@ class Tuner:
         seed: The sampler's seed.
         pruner: Step-level pruning (:func:`~lightning_bigtrain.tune.make_pruner`): ``"median"``, a mapping with
             the pruner's keywords, or ``None``. Single-objective studies only.
-        report_every: Optimizer steps between reports to the pruner.
+        report_every: Optimizer steps, or samples (``report_unit="samples"``), between reports to the pruner.
+        report_unit: ``"steps"`` or ``"samples"`` (trials of different batch sizes compared at equal data seen).
         monitor: What is reported (``"train_loss"`` or a metric the module logs every step).
         device_memory: Memory per device the planner checks each configuration against (``"8GB"``); ``None``
             launches every configuration unplanned.
@@ -107,6 +108,7 @@ class Tuner:
         seed: int | None = None,
         pruner: str | dict[str, Any] | None = "median",
         report_every: int = 50,
+        report_unit: str = "steps",
         monitor: str = "train_loss",
         device_memory: str | int | None = None,
         sample_shape: list[int] | None = None,
@@ -150,8 +152,11 @@ class Tuner:
             raise TunerConfigError(str(err)) from None
         self.pruner = None if pruner == "none" else pruner
         if isinstance(report_every, bool) or not isinstance(report_every, int) or report_every < 1:
-            raise TunerConfigError(f"`report_every={report_every!r}`: optimizer steps, an int >= 1.")
+            raise TunerConfigError(f"`report_every={report_every!r}`: an int >= 1.")
+        if report_unit not in ("steps", "samples"):
+            raise TunerConfigError(f"`report_unit={report_unit!r}`: choose steps or samples.")
         self.report_every = report_every
+        self.report_unit = report_unit
         self.monitor = monitor
         if device_memory is not None:
             from lightning_bigtrain.planning import parse_bytes
@@ -189,7 +194,7 @@ class Tuner:
         planner = dict(raw.get("planner") or {})
         for section, given, keys in (
             ("study", study, {"name", "storage", "sampler", "seed"}),
-            ("pruning", pruning, {"pruner", "report_every", "monitor"}),
+            ("pruning", pruning, {"pruner", "report_every", "report_unit", "monitor"}),
             ("planner", planner, {"device_memory", "sample_shape", "optimizer"}),
         ):
             bad = sorted(set(given) - keys)
@@ -207,6 +212,7 @@ class Tuner:
             "seed": study.get("seed"),
             "pruner": pruning.get("pruner", "median") if "pruning" in raw else None,
             "report_every": pruning.get("report_every", 50),
+            "report_unit": pruning.get("report_unit", "steps"),
             "monitor": pruning.get("monitor", "train_loss"),
             "device_memory": planner.get("device_memory"),
             "sample_shape": planner.get("sample_shape"),
@@ -461,6 +467,7 @@ class Tuner:
             "result_path": str(folder / "result.json"),
             "objectives": list(self.objectives),
             "report_every": self.report_every,
+            "report_unit": self.report_unit,
             "monitor": self.monitor,
         }
         if self.pruner is not None and trial_id is not None:

@@ -162,8 +162,9 @@ def test_pruned_trial_stops_on_both_ranks_at_the_same_step(tmp_path):
 
     base = _base(devices=2)
     base["trainer"]["limit_train_batches"] = 30
+    # Reports every 256 samples: 2 ranks x batch 32 = 64 a step, so at step 4, as Optuna step 256.
     path = _write_tune(tmp_path, base, trials=1, pruning={"pruner": {"name": "threshold", "upper": 1.0},
-                                                          "report_every": 4})  # fmt: skip
+                                                          "report_every": 256, "report_unit": "samples"})  # fmt: skip
     run = subprocess.run([BIGTRAIN, "tune", "--config", str(path)], cwd=tmp_path, env=_env(), capture_output=True,
                          text=True, timeout=600)  # fmt: skip
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
@@ -174,7 +175,7 @@ def test_pruned_trial_stops_on_both_ranks_at_the_same_step(tmp_path):
     assert result["world_size"] == 2
     # The untrained CNN's loss is ~2.3 > 1.0: the first report (step 4) prunes, and both ranks stop there.
     assert result["pruned_at_step"] == 4 and result["stopped_at_step_per_rank"] == [4, 4]
-    assert list(trial.intermediate_values) == [4] and trial.intermediate_values[4] > 1.0
+    assert list(trial.intermediate_values) == [256] and trial.intermediate_values[256] > 1.0
     assert "pruned" in run.stdout
 
 
@@ -189,7 +190,7 @@ def test_killed_study_continues_from_the_trials_checkpoint(tmp_path):
     base["trainer"]["max_epochs"] = 3  # 16 batches each
     base["trainer"]["limit_train_batches"] = None
     base["trainer"]["callbacks"] = [{"class_path": "tests.helpers.tune.SlowSteps", "init_args": {"seconds": 0.15}}]
-    path = _write_tune(tmp_path, base, trials=1, checkpoint_every_n_steps=5)
+    path = _write_tune(tmp_path, base, trials=1, checkpoint_every_n_steps=5, pruning={"report_every": 5})
     cmd = [BIGTRAIN, "tune", "--config", str(path)]
     driver = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     ckpt = tmp_path / "study" / "trial_0000" / "checkpoints" / "last.ckpt"
@@ -210,6 +211,8 @@ def test_killed_study_continues_from_the_trials_checkpoint(tmp_path):
     folder = Path(trial.user_attrs["bigtrain:dir"])
     assert json.loads((folder / "result.json").read_text())["steps"] == 48
     assert "Restoring states from the checkpoint path" in (folder / "log.txt").read_text()
+    # Reported every 5 steps by both launches (the median pruner waits for 5 complete trials: nothing pruned).
+    assert sorted(trial.intermediate_values) == list(range(5, 48, 5))
 
 
 @pytest.mark.integration
