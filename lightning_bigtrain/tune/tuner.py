@@ -437,10 +437,13 @@ class Tuner:
                 return Path(cb["init_args"]["dirpath"])
         return None
 
-    def trial_config(self, values: Mapping[str, Any], folder: Path, trial_id: int | None = None) -> dict[str, Any]:
-        """The ``bigtrain fit`` config of one trial: base + overrides + ``values``, its outputs moved into
-        ``folder``, a ModelCheckpoint for resumption, and the :class:`TuneTrial` callback."""
-        config = SearchSpace.apply_values(self.base, self.overrides, what="overrides")
+    def trial_config(
+        self, values: Mapping[str, Any], folder: Path, trial_id: int | None = None, overrides: bool = True
+    ) -> dict[str, Any]:
+        """The ``bigtrain fit`` config of one trial: base + overrides (unless ``overrides=False``: the base's own
+        budget) + ``values``, its outputs moved into ``folder``, a ModelCheckpoint for resumption, and the
+        :class:`TuneTrial` callback (pruning only with a ``trial_id``)."""
+        config = SearchSpace.apply_values(self.base, self.overrides if overrides else {}, what="overrides")
         config = self.space.apply(config, values)
         trainer = config["trainer"]
         trainer["default_root_dir"] = str(folder)
@@ -504,28 +507,26 @@ class Tuner:
 
     # -- what the study found ----------------------------------------------------------------------------------------
 
-    def table(self) -> str:
-        """The study as a Markdown table: every trial, its parameters, objectives, state and why."""
+    def records(self) -> list[dict[str, Any]]:
+        """One plain record per trial: number, status, params, measures, optimizer steps, note, best."""
         study = self.study
-        names = [p.path for p in self.space.parameters]
-        head = ["trial", "state", *names, *self.objectives, "steps", "note"]
-        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         best = {t.number for t in study.best_trials} if _has_complete(study) else set()
+        out = []
         for t in study.get_trials(deepcopy=False):
             status = t.user_attrs.get(_ATTR + "status", t.state.name.lower())
-            cells = [f"{t.number}{' *' if t.number in best else ''}", status]
-            cells += [_fmt(t.params.get(n)) for n in names]
-            measures = t.user_attrs.get(_ATTR + "measures", {})
-            cells += [_fmt(measures.get(n)) for n in self.objectives]
-            cells.append(_fmt(t.user_attrs.get(_ATTR + "steps")))
-            note = t.user_attrs.get(_ATTR + "reason", "")
+            steps = t.user_attrs.get(_ATTR + "steps")
+            note = str(t.user_attrs.get(_ATTR + "reason", ""))
             if status == "pruned" and t.last_step is not None:
-                note = f"stopped at step {t.last_step}"
-            cells.append(str(note).replace("|", "/").replace("\n", " ")[:160])
-            lines.append("| " + " | ".join(cells) + " |")
-        lines.append("")
-        lines.append("`*`: best (the Pareto front when there are several objectives).")
-        return "\n".join(lines)
+                unit = " samples" if self.report_unit == "samples" else ""
+                note = f"pruned at step {steps} (report {t.last_step}{unit})"
+            out.append({"number": t.number, "status": status, "params": dict(t.params),
+                        "measures": dict(t.user_attrs.get(_ATTR + "measures", {})), "steps": steps,
+                        "note": note, "best": t.number in best})  # fmt: skip
+        return out
+
+    def table(self) -> str:
+        """The study as a Markdown table: every trial, its parameters, objectives and measures, state and why."""
+        return render_table(self.records(), [p.path for p in self.space.parameters], list(self.objectives))
 
     def summary(self) -> dict[str, Any]:
         """Counts of the study's trials by outcome."""
@@ -553,8 +554,9 @@ class Tuner:
         return written
 
     def pareto_plot(self, path: str | Path | None = None) -> Path | None:
-        """Save the trials' first two objectives as a scatter plot with the best ones marked (matplotlib);
-        one objective: the objective against the trial number. None, with a warning, without matplotlib."""
+        """Save the complete trials as a scatter plot with their Pareto front in red (matplotlib): the first two
+        objectives; with one objective, that objective against the measured step time (the quality/speed trade).
+        None, with a warning, without matplotlib."""
         try:
             import matplotlib
 
@@ -564,33 +566,62 @@ class Tuner:
             warnings.warn("no plot: matplotlib is not installed (`pip install lightning_bigtrain[tune]`).",
                           BigtrainWarning, stacklevel=2)  # fmt: skip
             return None
-        import optuna
-
         path = Path(path or self.output / "pareto.png")
-        done = self.study.get_trials(deepcopy=False, states=[optuna.trial.TrialState.COMPLETE])
-        best = {t.number for t in self.study.best_trials} if done else set()
+        done = [r for r in self.records() if r["status"] == "complete"]
         names = list(self.objectives)
+        axes = (names[0], names[1]) if len(names) > 1 else ("step_time", names[0])
+        maximize = tuple(self.objectives.get(n) == "maximize" for n in axes)
+        points = [(float(r["measures"][axes[0]]), float(r["measures"][axes[1]])) for r in done]
+        front = _front(points, (maximize[0], maximize[1]))
         fig, ax = plt.subplots(figsize=(6, 4))
-        if len(names) == 1:
-            xs = [t.number for t in done]
-            ys = [t.values[0] for t in done]
-            ax.set_xlabel("trial")
-            ax.set_ylabel(f"{names[0]} ({self.objectives[names[0]]})")
-        else:
-            xs = [t.values[0] for t in done]
-            ys = [t.values[1] for t in done]
-            ax.set_xlabel(f"{names[0]} ({self.objectives[names[0]]})")
-            ax.set_ylabel(f"{names[1]} ({self.objectives[names[1]]})")
-        colors = ["tab:red" if t.number in best else "tab:blue" for t in done]
-        ax.scatter(xs, ys, c=colors)
-        for t, x, y in zip(done, xs, ys, strict=True):
-            ax.annotate(str(t.number), (x, y), fontsize=7)
-        ax.set_title(f"{self.study_name}: {len(done)} complete trials (red: best)")
+        ax.scatter([p[0] for p in points], [p[1] for p in points],
+                   c=["tab:red" if i in front else "tab:blue" for i in range(len(points))])  # fmt: skip
+        for r, (x, y) in zip(done, points, strict=True):
+            ax.annotate(str(r["number"]), (x, y), fontsize=7)
+        for k, name in enumerate(axes):
+            label = f"{name} ({self.objectives[name]})" if name in self.objectives else f"{name} (s per step)"
+            (ax.set_xlabel if k == 0 else ax.set_ylabel)(label)
+        ax.set_title(f"{self.study_name}: {len(done)} complete trials (red: Pareto front)")
         fig.tight_layout()
         path.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(path)
         plt.close(fig)
         return path
+
+
+def render_table(records: list[dict[str, Any]], params: list[str], objectives: list[str]) -> str:
+    """A Markdown table of :meth:`Tuner.records`: parameters, objectives, then the measures that are not objectives
+    (step time in ms, peak memory in MiB, bytes sent per step)."""
+    extra = [m for m in ("step_time", "peak_memory", "bytes_sent") if m not in objectives]
+    shown = {"step_time": "step ms", "peak_memory": "peak MiB", "bytes_sent": "sent/step"}
+    head = ["trial", "state", *(p.rsplit(".", 1)[-1] for p in params), *objectives, *(shown[m] for m in extra),
+            "steps", "note"]  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in records:
+        m = r["measures"]
+        cells = [f"{r['number']}{' *' if r['best'] else ''}", r["status"], *(_fmt(r["params"].get(p)) for p in params)]
+        cells += [_fmt(m.get(n)) for n in objectives]
+        for name in extra:
+            value = m.get(name)
+            if value is not None and name == "step_time":
+                value = 1e3 * value
+            elif value is not None and name == "peak_memory":
+                value = value / 2**20
+            cells.append(_fmt(value))
+        cells += [_fmt(r["steps"]), str(r["note"]).replace("|", "/").replace("\n", " ")[:160]]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "`*`: best (the Pareto front when there are several objectives)."]
+    return "\n".join(lines)
+
+
+def _front(points: list[tuple[float, float]], maximize: tuple[bool, bool]) -> set[int]:
+    """Indices of the points no other point beats in both coordinates (each in its direction)."""
+    signed = [((-x if maximize[0] else x), (-y if maximize[1] else y)) for x, y in points]
+    front = set()
+    for i, (a, b) in enumerate(signed):
+        if not any((c <= a and d <= b) and (c < a or d < b) for j, (c, d) in enumerate(signed) if j != i):
+            front.add(i)
+    return front
 
 
 def _has_complete(study: Any) -> bool:
