@@ -126,8 +126,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     "max_epochs")}  # fmt: skip
 
     b, d = summary("best"), summary("defaults")
-    rows = [{"config": k, "val acc": v["mean_acc"], "min..max": f"{min(v['val_acc']):.4f}..{max(v['val_acc']):.4f}",
-             "val loss": v["mean_loss"], "step ms": 1e3 * v["mean_step_time"]} for k, v in (("best", b), ("defaults", d))]  # fmt: skip
+    rows = [
+        {"config": k, "val acc": v["mean_acc"], "min..max": f"{min(v['val_acc']):.4f}..{max(v['val_acc']):.4f}",
+         "val loss": v["mean_loss"], "step ms": 1e3 * v["mean_step_time"]}
+        for k, v in (("best", b), ("defaults", d))
+    ]  # fmt: skip
     comparison = print_table(rows, list(rows[0]))
     launched = sum(v for k, v in counts.items() if k != "infeasible")
     pruned = counts.get("pruned", 0)
