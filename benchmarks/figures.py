@@ -268,6 +268,15 @@ def render_headline(results_dir: Path = RESULTS_DIR) -> str:
             f"held exactly in {exact} of {len(planned)} DDP/ZeRO conformance cells"
         )
 
+    def tune(r: dict[str, Any]) -> str:
+        f = r["figures"]
+        return (
+            f"[Tuning](docs/tune.md): a {f['trials']}-trial `bigtrain tune` study of the CNN in "
+            f"{f['study_seconds'] / 60:.1f} minutes on 2 CPU cores, {100 * f['pruned_fraction']:.0f}% of trials pruned "
+            f"early; its best configuration {100 * f['best']['mean_acc']:.2f}% validation accuracy against the "
+            f"defaults' {100 * f['defaults']['mean_acc']:.2f}% (mean of {len(f['seeds'])} seeds, same budget)"
+        )
+
     item("zero.json", zero)
     item("compression.json", compression)
     bf16(results_dir)
@@ -279,11 +288,13 @@ def render_headline(results_dir: Path = RESULTS_DIR) -> str:
     item("chaos.json", chaos)
     item("conformance.json", conformance)
     item("conformance.json", planning)
+    item("tune.json", tune)
     return "\n".join(lines)
 
 
 _RESULTS_OF_HEADLINE = ("zero.json", "compression.json", "precision*.json", "distillation.json", "pruning.json",
-                        "augmentation.json", "data.json", "fusion.json", "chaos.json", "conformance.json")  # fmt: skip
+                        "augmentation.json", "data.json", "fusion.json", "chaos.json", "conformance.json",
+                        "tune.json")  # fmt: skip
 
 #: Every figure block, by key: its renderer, the docs it belongs in, the results files it reads.
 BLOCKS: dict[str, Block] = {
@@ -317,6 +328,7 @@ BLOCKS: dict[str, Block] = {
         Block("pruning", _module("benchmarks.pruning"), ("docs/pruning.md",), ("pruning.json",)),
         Block("augmentation", _module("benchmarks.augmentation"), ("docs/augmentation.md",), ("augmentation.json",)),
         Block("data", _module("benchmarks.data"), ("docs/data.md",), ("data.json",)),
+        Block("tune", _module("benchmarks.tune"), ("docs/tune.md",), ("tune.json",)),
         Block("randaugment", _module("benchmarks.randaugment"), ("docs/augmentation.md",), ("randaugment.json",)),
         Block(
             "structured-peer",

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import statistics
@@ -167,6 +168,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return figures
 
 
+def _fixed(value: Any) -> str:
+    """A value in fixed-point notation, 3 significant digits (the same shape at any magnitude); text as it is."""
+    if value is None:
+        return ""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return str(value)
+    if isinstance(value, int) or value == 0 or not math.isfinite(value):
+        return str(value)
+    return f"{value:.{max(0, 2 - math.floor(math.log10(abs(value))))}f}"
+
+
 def render_block(results_dir: Path = RESULTS_DIR) -> str:
     """The ``tune`` block (docs/tune.md), from ``results/tune.json``."""
     from benchmarks.common import load_results, measured_line
@@ -176,8 +188,12 @@ def render_block(results_dir: Path = RESULTS_DIR) -> str:
     f = results["figures"]
     b, d = f["best"], f["defaults"]
     counts = ", ".join(f"{v} {k}" for k, v in sorted(f["counts"].items()))
-    best = ", ".join(f"`{k.rsplit('.', 1)[-1]}={v:.4g}`" if isinstance(v, float) else f"`{k.rsplit('.', 1)[-1]}={v}`"
-                     for k, v in f["best_values"].items())  # fmt: skip
+    best = ", ".join(f"`{k.rsplit('.', 1)[-1]}={_fixed(v)}`" for k, v in f["best_values"].items())
+    rows = [
+        f"| {name} | {100 * v['mean_acc']:.2f}% | {100 * min(v['val_acc']):.2f}..{100 * max(v['val_acc']):.2f}% "
+        f"| {v['mean_loss']:.4f} | {1e3 * v['mean_step_time']:.1f} |"
+        for name, v in (("best trial's", b), ("defaults", d))
+    ]
     lines = [
         measured_line(results, "tune.json", results_dir),
         "",
@@ -192,11 +208,13 @@ def render_block(results_dir: Path = RESULTS_DIR) -> str:
         f"({f['gain_points']:+.2f} pts; per seed {', '.join(f'{100 * v:.2f}' for v in b['val_acc'])} against "
         f"{', '.join(f'{100 * v:.2f}' for v in d['val_acc'])}).",
         "",
-        f["comparison_table"],
+        "| configuration | val acc (mean) | min..max | val loss | step ms |",
+        "|---|---|---|---|---|",
+        *rows,
         "",
         "Every trial of the study (accuracy after one epoch; `steps`: optimizer steps run):",
         "",
-        render_table(f["records"], f["params"], f["objectives"]),
+        render_table(f["records"], f["params"], f["objectives"], fmt=_fixed),
     ]
     if f.get("plot"):
         lines += ["", f"![validation accuracy against step time]({'../benchmarks/results/' + f['plot']})"]

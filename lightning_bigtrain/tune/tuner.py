@@ -30,7 +30,7 @@ import subprocess
 import sys
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -547,7 +547,7 @@ class Tuner:
             values = self.space.values_of(t.params)
             measures = t.user_attrs.get(_ATTR + "measures", {})
             header = (f"# bigtrain tune: study {self.study_name!r}, trial {t.number}: "
-                      + ", ".join(f"{k}={_fmt(measures.get(k))}" for k in self.objectives) + "\n")  # fmt: skip
+                      + ", ".join(f"{k}={_format(measures.get(k))}" for k in self.objectives) + "\n")  # fmt: skip
             path = out / f"trial_{t.number:04d}.yaml"
             path.write_text(header + yaml.safe_dump(self.fit_config(values), sort_keys=False))
             written.append(path)
@@ -589,9 +589,13 @@ class Tuner:
         return path
 
 
-def render_table(records: list[dict[str, Any]], params: list[str], objectives: list[str]) -> str:
+def render_table(
+    records: list[dict[str, Any]], params: list[str], objectives: list[str], fmt: Callable[[Any], str] | None = None
+) -> str:
     """A Markdown table of :meth:`Tuner.records`: parameters, objectives, then the measures that are not objectives
-    (step time in ms, peak memory in MiB, bytes sent per step)."""
+    (step time in ms, peak memory in MiB, bytes sent per step); ``fmt`` formats each value (default: 4 significant
+    digits, scientific notation for the very small and very large)."""
+    _fmt = fmt or _format
     extra = [m for m in ("step_time", "peak_memory", "bytes_sent") if m not in objectives]
     shown = {"step_time": "step ms", "peak_memory": "peak MiB", "bytes_sent": "sent/step"}
     head = ["trial", "state", *(p.rsplit(".", 1)[-1] for p in params), *objectives, *(shown[m] for m in extra),
@@ -630,7 +634,7 @@ def _has_complete(study: Any) -> bool:
     return bool(study.get_trials(deepcopy=False, states=[optuna.trial.TrialState.COMPLETE]))
 
 
-def _fmt(value: Any) -> str:
+def _format(value: Any) -> str:
     if value is None:
         return ""
     if isinstance(value, float):

@@ -219,7 +219,8 @@ def test_killed_study_continues_from_the_trials_checkpoint(tmp_path):
 def test_two_workers_share_one_study(tmp_path):
     import optuna
 
-    path = _write_tune(tmp_path, _base(), trials=4, pruning={"pruner": "none"})
+    # Multi-objective (NSGA-II), so no pruner: the measured step time against validation loss.
+    path = _write_tune(tmp_path, _base(), trials=4, objectives={"val_loss": "minimize", "step_time": "minimize"})
     cmd = [BIGTRAIN, "tune", "--config", str(path)]
     workers = [subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True) for _ in range(2)]  # fmt: skip
@@ -231,9 +232,22 @@ def test_two_workers_share_one_study(tmp_path):
     assert all(t.user_attrs["bigtrain:launches"] == 1 for t in trials)
     launched = [[n for n in range(4) if f"trial {n} launched" in out] for out in outs]
     assert all(launched) and sorted(launched[0] + launched[1]) == [0, 1, 2, 3]
-    (best,) = tuner.write_best_configs()
-    config = yaml.safe_load(best.read_text())
+    assert all(len(t.values) == 2 and t.values[1] > 0 for t in trials)
+    front = {t.number for t in tuner.study.best_trials}
+    assert {r["number"] for r in tuner.records() if r["best"]} == front
+    best = tuner.write_best_configs()
+    assert len(best) == len(front) >= 1
+    config = yaml.safe_load(best[0].read_text())
     assert "callbacks" not in config["trainer"]  # a plain fit config: no tuning parts
-    check = subprocess.run([BIGTRAIN, "fit", "--config", str(best), "--print_config"], cwd=tmp_path, env=_env(),
+    check = subprocess.run([BIGTRAIN, "fit", "--config", str(best[0]), "--print_config"], cwd=tmp_path, env=_env(),
                            capture_output=True, text=True, timeout=300)  # fmt: skip
     assert check.returncode == 0, check.stderr[-2000:]
+    assert tuner.pareto_plot() is not None and (tmp_path / "study" / "pareto.png").stat().st_size > 0
+
+
+def test_pareto_front_of_two_directions():
+    from lightning_bigtrain.tune.tuner import _front
+
+    points = [(1.0, 0.5), (2.0, 0.9), (3.0, 0.8), (1.5, 0.4)]  # (step time: minimize, accuracy: maximize)
+    assert _front(points, (False, True)) == {0, 1}
+    assert _front(points, (False, False)) == {0, 3}
