@@ -2,6 +2,7 @@
 configuration against the defaults of ``configs/fashion_cnn.yaml``, same budget, 3 seeds each.
 
     python -m benchmarks.tune [--trials 20] [--seeds 3] [--quick]
+    python -m benchmarks.tune --gpt      # the char-GPT study of configs/tune_gpt.yaml (the study only)
 
 1. The study: ``bigtrain tune --config configs/tune.yaml --trials 20`` in a fresh folder, its wall time on this
    machine (2 CPU cores; each trial a 2-rank fit of one epoch), the trials by outcome (complete, pruned by the
@@ -36,14 +37,20 @@ from benchmarks.common import RESULTS_DIR, command_line, machine_info, print_tab
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "tune.yaml"
+GPT_CONFIG = ROOT / "configs" / "tune_gpt.yaml"
 PLOT = "tune_pareto.png"
+GPT_PLOT = "tune_gpt_pareto.png"
 
 
-def _quick_config(out: Path) -> Path:
-    """configs/tune.yaml on a slice of the data (a smoke run of the benchmark, not a figure)."""
-    raw = yaml.safe_load(CONFIG.read_text())
-    raw["base"] = str((CONFIG.parent / raw["base"]).resolve())
-    raw["overrides"].update({"trainer.limit_train_batches": 20, "trainer.limit_val_batches": 4})
+def _quick_config(out: Path, config: Path) -> Path:
+    """A tune config on a slice of the data (a smoke run of the benchmark, not a figure)."""
+    raw = yaml.safe_load(config.read_text())
+    raw["base"] = str((config.parent / raw["base"]).resolve())
+    if config == GPT_CONFIG:
+        raw["overrides"].update({"trainer.max_steps": 20, "trainer.val_check_interval": 20,
+                                 "trainer.limit_val_batches": 2})  # fmt: skip
+    else:
+        raw["overrides"].update({"trainer.limit_train_batches": 20, "trainer.limit_val_batches": 4})
     raw["pruning"]["report_every"] = 640
     raw["pruning"]["pruner"]["n_warmup_steps"] = 640
     raw["pruning"]["pruner"]["n_startup_trials"] = 1
@@ -71,6 +78,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--trials", type=int, default=20)
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="3 trials and 1 seed on a slice of the data (smoke)")
+    parser.add_argument("--gpt", action="store_true", help="the char-GPT study (configs/tune_gpt.yaml), study only")
     parser.add_argument("--output", type=Path, default=ROOT / "runs" / "bench-tune", help="scratch folder (emptied)")
     parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
     args = parser.parse_args(argv)
@@ -79,7 +87,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out = args.output.resolve()
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    config = _quick_config(out) if args.quick else CONFIG
+    source = GPT_CONFIG if args.gpt else CONFIG
+    config = _quick_config(out, source) if args.quick else source
     study_dir = out / "study"
     env_note = os.environ.get("BIGTRAIN_DATA", "")
 
@@ -99,6 +108,32 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     values = tuner.space.values_of(best.params)
     print(tuner.table())
     print(f"study: {trials} trials in {study_seconds / 60:.1f} min; {counts}", flush=True)
+    pruned = counts.get("pruned", 0)
+    study = {
+        "trials": trials,
+        "study_seconds": study_seconds,
+        "counts": counts,
+        "pruned_fraction": pruned / trials,
+        "params": [p.path for p in tuner.space.parameters],
+        "objectives": list(tuner.objectives),
+        "records": records,
+        "best_trial": best.number,
+        "best_values": values,
+        "best_study_value": best.value,
+    }
+    name = ("tune_gpt" if args.gpt else "tune") + ("_quick" if args.quick else "")
+    if args.gpt:  # the study alone: the comparison with a config's defaults is the CNN's
+        plot = tuner.pareto_plot(study_dir / "pareto.png")
+        if plot is not None and not args.quick:
+            shutil.copy(plot, args.results_dir / GPT_PLOT)
+            study["plot"] = GPT_PLOT
+        headline = (f"{trials} trials in {study_seconds / 60:.1f} min, {100 * pruned / trials:.0f}% pruned; best val "
+                    f"loss {best.value:.4f}")  # fmt: skip
+        payload = {"config": {"quick": args.quick, "trials": trials, "tune_config": "configs/tune_gpt.yaml"},
+                   "machine": machine_info(), "figures": study}  # fmt: skip
+        path = write_results(name, payload, headline, args.results_dir, command=command_line("benchmarks.tune", argv))
+        print(f"wrote {path}")
+        return study
 
     # 2. best against the defaults, at the defaults' budget, same seeds
     evals: dict[str, list[dict[str, Any]]] = {"best": [], "defaults": []}
@@ -133,20 +168,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for k, v in (("best", b), ("defaults", d))
     ]  # fmt: skip
     comparison = print_table(rows, list(rows[0]))
-    launched = sum(v for k, v in counts.items() if k != "infeasible")
-    pruned = counts.get("pruned", 0)
     figures = {
-        "trials": trials,
-        "study_seconds": study_seconds,
-        "counts": counts,
-        "pruned_fraction": pruned / trials,
-        "launched": launched,
-        "params": [p.path for p in tuner.space.parameters],
-        "objectives": list(tuner.objectives),
-        "records": records,
-        "best_trial": best.number,
-        "best_values": values,
-        "best_study_value": best.value,
+        **study,
+        "launched": sum(v for k, v in counts.items() if k != "infeasible"),
         "seeds": seeds,
         "best": b,
         "defaults": d,
@@ -162,7 +186,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     payload = {"config": {"quick": args.quick, "trials": trials, "seeds": seeds, "tune_config": "configs/tune.yaml",
                           "data": "BIGTRAIN_DATA" if env_note else "data/"},
                "machine": machine_info(), "figures": figures}  # fmt: skip
-    name = "tune_quick" if args.quick else "tune"
     path = write_results(name, payload, headline, args.results_dir, command=command_line("benchmarks.tune", argv))
     print(f"wrote {path}")
     return figures
@@ -177,6 +200,30 @@ def _fixed(value: Any) -> str:
     if isinstance(value, int) or value == 0 or not math.isfinite(value):
         return str(value)
     return f"{value:.{max(0, 2 - math.floor(math.log10(abs(value))))}f}"
+
+
+def render_gpt_block(results_dir: Path = RESULTS_DIR) -> str:
+    """The ``tune-gpt`` block (docs/tune.md), from ``results/tune_gpt.json``."""
+    from benchmarks.common import load_results, measured_line
+    from lightning_bigtrain.tune.tuner import render_table
+
+    results = load_results(results_dir, "tune_gpt.json")
+    f = results["figures"]
+    counts = ", ".join(f"{v} {k}" for k, v in sorted(f["counts"].items()))
+    best = ", ".join(f"`{k.rsplit('.', 1)[-1]}={_fixed(v)}`" for k, v in f["best_values"].items())
+    lines = [
+        measured_line(results, "tune_gpt.json", results_dir),
+        "",
+        f"The char-GPT study (`bigtrain tune --config configs/tune_gpt.yaml`, {f['trials']} trials, each a 2-rank fit "
+        f"of configs/demo.yaml's steps): **{f['study_seconds'] / 60:.1f} minutes** on this machine; {counts} "
+        f"(**{100 * f['pruned_fraction']:.0f}% pruned** early). Best trial {f['best_trial']}, validation loss "
+        f"{f['best_study_value']:.4f}: {best}.",
+        "",
+        render_table(f["records"], f["params"], f["objectives"], fmt=_fixed),
+    ]
+    if f.get("plot"):
+        lines += ["", f"![validation loss against step time]({'../benchmarks/results/' + f['plot']})"]
+    return "\n".join(lines)
 
 
 def render_block(results_dir: Path = RESULTS_DIR) -> str:

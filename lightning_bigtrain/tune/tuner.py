@@ -660,11 +660,14 @@ def _plan_row(strategy: Any, rows: Mapping[str, Any]) -> str:
     if isinstance(strategy, str):
         if strategy in by_name:
             return by_name[strategy]
+        compressed = strategy.removeprefix("bigtrain_")  # bigtrain_ddp_powersgd -> the ddp_powersgd row
+        if strategy.startswith("bigtrain_ddp_") and compressed in rows:
+            return compressed
         raise _Unplannable(f"the planner has no row for strategy {strategy!r}")
     if _is_class(strategy, "ZeroStrategy"):
         args = strategy.get("init_args", {})
         stage = int(args.get("stage", 3))
-        offload = bool(args.get("offload_optimizer") or args.get("offload_params") or args.get("offload"))
+        offload = bool(args.get("offload_optimizer") or args.get("offload_params"))
         row = f"zero{stage}" + ("_offload" if offload and stage >= 2 else "")
         if row in rows:
             return row

@@ -245,6 +245,20 @@ def test_two_workers_share_one_study(tmp_path):
     assert tuner.pareto_plot() is not None and (tmp_path / "study" / "pareto.png").stat().st_size > 0
 
 
+def test_each_strategy_spelling_maps_to_its_planner_row():
+    from lightning_bigtrain.planning import COMPRESSED_STRATEGIES, STRATEGIES
+    from lightning_bigtrain.tune.tuner import _plan_row, _Unplannable
+
+    rows = dict.fromkeys([*STRATEGIES, *COMPRESSED_STRATEGIES])
+    assert _plan_row("auto", rows) == _plan_row("ddp", rows) == "ddp"
+    assert _plan_row("bigtrain_zero3_offload", rows) == "zero3_offload"
+    assert _plan_row("bigtrain_ddp_powersgd", rows) == "ddp_powersgd"
+    zero = {"class_path": "lightning_bigtrain.strategies.ZeroStrategy", "init_args": {"stage": 2}}
+    assert _plan_row(zero, rows) == "zero2"
+    with pytest.raises(_Unplannable, match="no row for strategy 'fsdp'"):
+        _plan_row("fsdp", rows)
+
+
 def test_pareto_front_of_two_directions():
     from lightning_bigtrain.tune.tuner import _front
 
