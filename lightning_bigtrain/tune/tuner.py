@@ -310,10 +310,16 @@ class Tuner:
             if not lock.held:
                 raise RuntimeError(f"{folder} is locked by another driver: is `output` shared by two studies?")
             trial.set_user_attr(_ATTR + "dir", str(folder))
-            values = self.space.suggest(trial)
-            config = self.trial_config(values, folder, trial._trial_id)
-            (folder / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
-            refused = self._check_memory(config, trial)
+            try:
+                values = self.space.suggest(trial)
+                config = self.trial_config(values, folder, trial._trial_id)
+                (folder / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+                refused = self._check_memory(config, trial)
+            except Exception as err:  # a trial that cannot even be prepared fails alone, with the reason
+                trial.set_user_attr(_ATTR + "reason", f"not prepared: {type(err).__name__}: {err}")
+                self.study.tell(trial, state=optuna.trial.TrialState.FAIL)
+                print(f"bigtrain tune: trial {trial.number} failed before launch: {err}", flush=True)
+                return
             if refused is not None:
                 trial.set_user_attr(_ATTR + "status", "infeasible")
                 trial.set_user_attr(_ATTR + "reason", refused)
@@ -728,7 +734,7 @@ def predict_peak(
             ),
             workload=Workload(batch_shape=shape, input_dtype=dtype, optimizer=optimizer, precision=_precision(trainer)),
         )
-    except (TypeError, ValueError, ImportError, AttributeError) as err:
+    except (TypeError, ValueError, ImportError, AttributeError, RuntimeError, NotImplementedError) as err:
         raise _Unplannable(f"the planner could not plan this configuration ({type(err).__name__}: {err})") from None
     row = _plan_row(trainer.get("strategy"), result.rows)
     return row, float(result.rows[row].peak_bytes), float(parse_bytes(device_memory, "device_memory"))
