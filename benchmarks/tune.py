@@ -215,7 +215,8 @@ def render_gpt_block(results_dir: Path = RESULTS_DIR) -> str:
         measured_line(results, "tune_gpt.json", results_dir),
         "",
         f"The char-GPT study (`bigtrain tune --config configs/tune_gpt.yaml`, {f['trials']} trials, each a 2-rank fit "
-        f"of configs/demo.yaml's steps): **{f['study_seconds'] / 60:.1f} minutes** on this machine; {counts} "
+        f"of configs/demo.yaml at the `overrides:` of configs/tune_gpt.yaml): "
+        f"**{f['study_seconds'] / 60:.1f} minutes** on this machine; {counts} "
         f"(**{100 * f['pruned_fraction']:.0f}% pruned** early). Best trial {f['best_trial']}, validation loss "
         f"{f['best_study_value']:.4f}: {best}.",
         "",

@@ -7,12 +7,13 @@ a killed study. The method card is ``docs/tune.md``.
 
 from lightning_bigtrain.tune.space import Parameter, SearchSpace
 from lightning_bigtrain.tune.trial import MEASURES, TuneTrial, make_pruner, open_storage
-from lightning_bigtrain.tune.tuner import Tuner, TunerConfigError
+from lightning_bigtrain.tune.tuner import TrialsFailingError, Tuner, TunerConfigError
 
 __all__ = [
     "MEASURES",
     "Parameter",
     "SearchSpace",
+    "TrialsFailingError",
     "TuneTrial",
     "Tuner",
     "TunerConfigError",

@@ -17,7 +17,7 @@ def _stop(signum: int, frame: Any) -> None:
 
 
 def main(argv: list[str]) -> int:
-    from lightning_bigtrain.tune.tuner import Tuner, TunerConfigError
+    from lightning_bigtrain.tune.tuner import TrialsFailingError, Tuner, TunerConfigError
 
     parser = argparse.ArgumentParser(
         prog="bigtrain tune",
@@ -39,7 +39,12 @@ def main(argv: list[str]) -> int:
         parser.error(str(err))
     if not args.report_only:
         signal.signal(signal.SIGTERM, _stop)
-        tuner.run()
+        try:
+            tuner.run()
+        except TrialsFailingError as err:
+            print(tuner.table())
+            print(f"bigtrain tune: error: {err}", file=sys.stderr)
+            return 1
     table = tuner.table()
     print(table)
     (tuner.output / "table.md").write_text(table + "\n")

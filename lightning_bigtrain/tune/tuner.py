@@ -40,7 +40,7 @@ from lightning_bigtrain.tune.space import SearchSpace
 from lightning_bigtrain.tune.trial import MEASURES, make_pruner, open_storage
 from lightning_bigtrain.warnings import BigtrainWarning
 
-__all__ = ["Tuner", "TunerConfigError"]
+__all__ = ["TrialsFailingError", "Tuner", "TunerConfigError"]
 
 _DIRECTIONS = ("minimize", "maximize")
 _SAMPLERS = ("auto", "tpe", "nsga2", "random")
@@ -50,6 +50,10 @@ _STATES_DONE = ("COMPLETE", "PRUNED", "FAIL")
 
 class TunerConfigError(ValueError):
     """A ``bigtrain tune`` setting is wrong; the message names it and the fix."""
+
+
+class TrialsFailingError(RuntimeError):
+    """Several trials in a row failed: the driver stops rather than spend the study on the same failure."""
 
 
 def _load_yaml(path: Path) -> dict[str, Any]:
@@ -93,6 +97,9 @@ class Tuner:
         overrides: ``{config path: value}`` written into every trial (a shorter budget, say).
         trial_timeout: Seconds before a trial is stopped and failed; ``None``: no limit.
         checkpoint_every_n_steps: How often each trial checkpoints (for resumption); ``None``: each epoch's end.
+        max_failures_in_a_row: Stop the driver (:class:`TrialsFailingError`, naming the last trial's log) when this
+            many of its launched trials fail one after another: a broken base config or missing data fails every
+            trial the same way. ``None``: never stop.
     """
 
     def __init__(
@@ -116,6 +123,7 @@ class Tuner:
         overrides: Mapping[str, Any] | None = None,
         trial_timeout: float | None = None,
         checkpoint_every_n_steps: int | None = None,
+        max_failures_in_a_row: int | None = 3,
     ) -> None:
         self.base_path = None if isinstance(base, Mapping) else Path(base)
         self.base = dict(copy.deepcopy(base)) if isinstance(base, Mapping) else _load_yaml(Path(base))
@@ -170,6 +178,12 @@ class Tuner:
         self.optimizer = optimizer
         self.trial_timeout = trial_timeout
         self.checkpoint_every_n_steps = checkpoint_every_n_steps
+        if max_failures_in_a_row is not None and (isinstance(max_failures_in_a_row, bool)
+                                                  or not isinstance(max_failures_in_a_row, int)
+                                                  or max_failures_in_a_row < 1):  # fmt: skip
+            raise TunerConfigError(f"`max_failures_in_a_row={max_failures_in_a_row!r}`: an int >= 1, or null.")
+        self.max_failures_in_a_row = max_failures_in_a_row
+        self._failed_in_a_row = 0
         self._study: Any = None
 
     # -- construction from the YAML of ``bigtrain tune --config`` ------------------------------------------------
@@ -180,7 +194,7 @@ class Tuner:
         path = Path(path)
         raw = _load_yaml(path)
         known = {"base", "space", "objectives", "trials", "output", "study", "pruning", "planner", "overrides",
-                 "trial_timeout", "checkpoint_every_n_steps"}  # fmt: skip
+                 "trial_timeout", "checkpoint_every_n_steps", "max_failures_in_a_row"}  # fmt: skip
         unknown = sorted(set(raw) - known)
         if unknown:
             raise TunerConfigError(f"`{path}`: unknown section(s) {unknown}; a tune config takes {sorted(known)}.")
@@ -221,6 +235,8 @@ class Tuner:
             "trial_timeout": raw.get("trial_timeout"),
             "checkpoint_every_n_steps": raw.get("checkpoint_every_n_steps"),
         }
+        if "max_failures_in_a_row" in raw:
+            kwargs["max_failures_in_a_row"] = raw["max_failures_in_a_row"]
         kwargs.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**kwargs)
 
@@ -393,7 +409,16 @@ class Tuner:
             self.study._storage.set_trial_user_attr(trial_id, _ATTR + "reason", f"exit status {rc}: ...{tail}")
             self.study.tell(number, state=optuna.trial.TrialState.FAIL)
             print(f"bigtrain tune: trial {number} failed (exit status {rc}); see {folder / 'log.txt'}", flush=True)
+            self._failed_in_a_row += 1
+            if self.max_failures_in_a_row is not None and self._failed_in_a_row >= self.max_failures_in_a_row:
+                last = [line for line in tail.splitlines() if line.strip()][-1:] or [""]
+                raise TrialsFailingError(
+                    f"{self._failed_in_a_row} trials in a row failed; the last (trial {number}) ended with: "
+                    f"{last[0].strip()[:300]} (see {folder / 'log.txt'}). Fix the base config or its data and run "
+                    "the same command again: the failed trials stay recorded and the study continues."
+                )
             return
+        self._failed_in_a_row = 0
         self._tell(number, folder)
 
     def _tell(self, number: int, folder: Path) -> None:

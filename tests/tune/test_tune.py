@@ -245,6 +245,25 @@ def test_two_workers_share_one_study(tmp_path):
     assert tuner.pareto_plot() is not None and (tmp_path / "study" / "pareto.png").stat().st_size > 0
 
 
+@pytest.mark.integration
+def test_the_driver_stops_when_every_trial_fails_the_same_way(tmp_path, monkeypatch):
+    import optuna
+
+    from lightning_bigtrain.tune import TrialsFailingError
+
+    base = _base()
+    base["data"]["init_args"]["data_dir"] = str(tmp_path / "no-data-here")
+    tuner = Tuner(base, {"model.init_args.lr": {"low": 1e-3, "high": 1e-2}}, trials=6, output=tmp_path / "s",
+                  pruner=None, max_failures_in_a_row=2)  # fmt: skip
+    for key, value in _env().items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(TrialsFailingError, match=r"2 trials in a row failed.*not set up"):
+        tuner.run()
+    trials = tuner.study.get_trials()
+    assert [t.state for t in trials] == [optuna.trial.TrialState.FAIL] * 2  # not all six spent on it
+    assert "not set up" in trials[0].user_attrs["bigtrain:reason"]
+
+
 def test_each_strategy_spelling_maps_to_its_planner_row():
     from lightning_bigtrain.planning import COMPRESSED_STRATEGIES, STRATEGIES
     from lightning_bigtrain.tune.tuner import _plan_row, _Unplannable
