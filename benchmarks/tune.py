@@ -121,35 +121,38 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "best_values": values,
         "best_study_value": best.value,
     }
-    name = ("tune_gpt" if args.gpt else "tune") + ("_quick" if args.quick else "")
-    if args.gpt:  # the study alone: the comparison with a config's defaults is the CNN's
+    area = ("tune_gpt" if args.gpt else "tune") + ("_quick" if args.quick else "")
+
+    def record(figures: dict[str, Any], plot_name: str, found: str, config: dict[str, Any]) -> dict[str, Any]:
         plot = tuner.pareto_plot(study_dir / "pareto.png")
         if plot is not None and not args.quick:
-            shutil.copy(plot, args.results_dir / GPT_PLOT)
-            study["plot"] = GPT_PLOT
-        headline = (f"{trials} trials in {study_seconds / 60:.1f} min, {100 * pruned / trials:.0f}% pruned; best val "
-                    f"loss {best.value:.4f}")  # fmt: skip
-        payload = {"config": {"quick": args.quick, "trials": trials, "tune_config": "configs/tune_gpt.yaml"},
-                   "machine": machine_info(), "figures": study}  # fmt: skip
-        path = write_results(name, payload, headline, args.results_dir, command=command_line("benchmarks.tune", argv))
+            shutil.copy(plot, args.results_dir / plot_name)
+            figures["plot"] = plot_name
+        headline = f"{trials} trials in {study_seconds / 60:.1f} min, {100 * pruned / trials:.0f}% pruned; {found}"
+        payload = {"config": {"quick": args.quick, "trials": trials, **config}, "machine": machine_info(),
+                   "figures": figures}  # fmt: skip
+        path = write_results(area, payload, headline, args.results_dir, command=command_line("benchmarks.tune", argv))
         print(f"wrote {path}")
-        return study
+        return figures
+
+    if args.gpt:  # the study alone: the comparison with a config's defaults is the CNN's
+        return record(study, GPT_PLOT, f"best val loss {best.value:.4f}", {"tune_config": "configs/tune_gpt.yaml"})
 
     # 2. best against the defaults, at the defaults' budget, same seeds
     evals: dict[str, list[dict[str, Any]]] = {"best": [], "defaults": []}
     for seed in seeds:
         order = ("best", "defaults") if seed % 2 == 0 else ("defaults", "best")
-        for name in order:
-            folder = out / "eval" / f"{name}_seed{seed}"
-            fit = tuner.trial_config(values if name == "best" else {}, folder, overrides=args.quick)
+        for which in order:
+            folder = out / "eval" / f"{which}_seed{seed}"
+            fit = tuner.trial_config(values if which == "best" else {}, folder, overrides=args.quick)
             fit["seed_everything"] = seed
             for cb in fit["trainer"]["callbacks"]:
                 if cb["class_path"].endswith("TuneTrial"):
                     cb["init_args"]["objectives"] = ["val_acc", "val_loss"]
             r = _fit(fit, folder)
-            evals[name].append(r)
+            evals[which].append(r)
             m = r["measures"]
-            print(f"seed {seed} {name}: val acc {m['val_acc']:.4f}, val loss {m['val_loss']:.4f}, "
+            print(f"seed {seed} {which}: val acc {m['val_acc']:.4f}, val loss {m['val_loss']:.4f}, "
                   f"step {1e3 * m['step_time']:.1f} ms", flush=True)  # fmt: skip
 
     def summary(name: str) -> dict[str, Any]:
@@ -177,18 +180,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "gain_points": 100 * (b["mean_acc"] - d["mean_acc"]),
         "comparison_table": comparison,
     }
-    plot = tuner.pareto_plot(study_dir / "pareto.png")
-    if plot is not None and not args.quick:
-        shutil.copy(plot, args.results_dir / PLOT)
-        figures["plot"] = PLOT
-    headline = (f"{trials} trials in {study_seconds / 60:.1f} min, {100 * pruned / trials:.0f}% pruned; best "
-                f"{100 * b['mean_acc']:.2f}% val acc vs defaults {100 * d['mean_acc']:.2f}%")  # fmt: skip
-    payload = {"config": {"quick": args.quick, "trials": trials, "seeds": seeds, "tune_config": "configs/tune.yaml",
-                          "data": "BIGTRAIN_DATA" if env_note else "data/"},
-               "machine": machine_info(), "figures": figures}  # fmt: skip
-    path = write_results(name, payload, headline, args.results_dir, command=command_line("benchmarks.tune", argv))
-    print(f"wrote {path}")
-    return figures
+    return record(
+        figures,
+        PLOT,
+        f"best {100 * b['mean_acc']:.2f}% val acc vs defaults {100 * d['mean_acc']:.2f}%",
+        {"seeds": seeds, "tune_config": "configs/tune.yaml", "data": "BIGTRAIN_DATA" if env_note else "data/"},
+    )
 
 
 def _fixed(value: Any) -> str:
