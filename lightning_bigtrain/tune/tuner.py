@@ -280,8 +280,7 @@ class Tuner:
         sampler with ``seed + index``, so that workers sharing a study do not sample the same configurations,
         and a study run by one worker stays reproducible."""
         counter = self.output / "workers.count"
-        lock = _TrialLock(self.output)
-        lock.path = self.output / "workers.lock"
+        lock = _TrialLock(self.output, "workers.lock")
         while not lock.acquire():
             time.sleep(0.05)
         try:
@@ -772,8 +771,8 @@ class _TrialLock:
     """An exclusive ``flock`` on ``<trial>/owner.lock``, held by the driver running the trial. The kernel frees
     it when that process dies, however it dies: a free lock on a RUNNING trial is an orphan."""
 
-    def __init__(self, folder: Path) -> None:
-        self.path = folder / "owner.lock"
+    def __init__(self, folder: Path, name: str = "owner.lock") -> None:
+        self.path = folder / name
         self.fd: int | None = None
         self.held = False
 
