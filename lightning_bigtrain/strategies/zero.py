@@ -41,12 +41,18 @@ from lightning_bigtrain.engines.compression import GradientCompression
 from lightning_bigtrain.engines.flat_shard import FlatGradScaler, FlatShardedOptimizer, norm_parameters
 from lightning_bigtrain.functional.compression import Cast, Compressor
 from lightning_bigtrain.functional.memory import model_state_bytes
+from lightning_bigtrain.functional.rng import seed_all_
 from lightning_bigtrain.functional.sharding import (
     CommCounter,
     auto_wrap_targets,
     count_comm_,
     is_fully_sharded,
     shard_module_,
+)
+from lightning_bigtrain.functional.tensor_parallel import (
+    TensorParallelPlan,
+    apply_tensor_parallel_,
+    clip_grad_norm_global_,
 )
 from lightning_bigtrain.strategies._common import RNG_KEY, ZeroCommon
 from lightning_bigtrain.strategies._compression import (
@@ -57,7 +63,7 @@ from lightning_bigtrain.strategies._compression import (
 )
 from lightning_bigtrain.strategies._fault import FaultTolerantStrategyMixin
 from lightning_bigtrain.strategies.options import DeepSpeedOptions, ZeroOptions, check_options, check_stage
-from lightning_bigtrain.warnings import NoEffectWarning, warn_once
+from lightning_bigtrain.warnings import BigtrainWarning, NoEffectWarning, warn_once
 
 if TYPE_CHECKING:
     import lightning as L
@@ -96,10 +102,15 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
     (``s3://...``, ``file://...``; the filesystem's fsspec package must be installed), resume exactly, and
     load at another world size.
 
-    Registered as ``bigtrain_zero1``, ``bigtrain_zero2``, ``bigtrain_zero3``, ``bigtrain_zero2_offload``,
-    ``bigtrain_zero3_offload``.
+    With ``tensor_parallel=T`` (stage 3), the ranks form a (data x tensor) mesh: each group of ``T`` neighbouring
+    ranks splits every transformer block's linears Megatron-style (found automatically and verified per block
+    class, :mod:`lightning_bigtrain.functional.tensor_parallel`; a ``configure_model`` that split the module
+    itself is respected), and FSDP2 shards across the groups. See ``docs/parallel.md``.
 
-    Acts in: ``setup_environment`` (process group, 1-D mesh), ``setup`` (precision convert, shard,
+    Registered as ``bigtrain_zero1``, ``bigtrain_zero2``, ``bigtrain_zero3``, ``bigtrain_zero2_offload``,
+    ``bigtrain_zero3_offload``, ``bigtrain_zero3_tp2``, ``bigtrain_zero3_tp4``.
+
+    Acts in: ``setup_environment`` (process group, (data x tensor) mesh), ``setup`` (precision convert, split, shard,
     optimizers), ``on_train_batch_start`` (step-seeded RNG), ``training_step`` (buffer broadcast),
     ``optimizer_step`` (per-rank model-state bytes logged once, in the second step after backward),
     ``setup`` also fixes glibc's mmap threshold when the states are in host memory
@@ -126,6 +137,8 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
             (stage 3 through FSDP2's ``MixedPrecisionPolicy(reduce_dtype=...)``).
         options: The rarer knobs (:class:`ZeroOptions`): checkpoint layout, buffer broadcast,
             step-seeded RNG, launch method, backend, timeout.
+        tensor_parallel: Tensor-parallel degree (ranks per group splitting each block); must divide the world
+            size. Stage 3 only for now; 1 (the default) is plain ZeRO.
         deepspeed: Refused here (DeepSpeed's knobs belong to
             :class:`~lightning_bigtrain.strategies.DeepSpeedZeroStrategy`); kept so that the error says so.
     """
@@ -144,6 +157,7 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         compression: Compressor | str | None = None,
         options: ZeroOptions | None = None,
         deepspeed: DeepSpeedOptions | None = None,
+        tensor_parallel: int = 1,
     ) -> None:
         if engine != "torch" or deepspeed is not None:
             given = f"engine={engine!r}" if engine != "torch" else "deepspeed=DeepSpeedOptions(...)"
@@ -169,6 +183,7 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         if min_wrap_params < 1:
             raise ValueError(f"`ZeroStrategy(min_wrap_params={min_wrap_params})`: must be >= 1.")
         compressor = resolve_compression(compression, "ZeroStrategy")
+        _check_tensor_parallel(tensor_parallel, stage, offload_optimizer or offload_params, compressor)
         if compressor is not None and stage > 1 and not isinstance(compressor, Cast):
             raise ValueError(
                 f"`ZeroStrategy(stage={stage}, compression={compressor!r})` is not supported: at stage {stage} each "
@@ -184,6 +199,8 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
             timeout=options.timeout,
         )
         self.stage = stage
+        self.tensor_parallel = tensor_parallel
+        self.tensor_parallel_plan: TensorParallelPlan | None = None
         self.offload_optimizer = offload_optimizer or offload_params
         self.offload_params = offload_params
         self.min_wrap_params = min_wrap_params
@@ -204,6 +221,15 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         cls._register_stages(strategy_registry, "bigtrain_zero", "")
+        for degree in (2, 4):
+            strategy_registry.register(
+                f"bigtrain_zero3_tp{degree}",
+                cls,
+                description=f"ZeRO-3 (torch engine) across groups of {degree} tensor-parallel ranks",
+                override=True,
+                stage=3,
+                tensor_parallel=degree,
+            )
 
     @override
     def _configure_launcher(self) -> None:
@@ -220,9 +246,16 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
 
     @override
     def setup_environment(self) -> None:
-        # One flat data-parallel mesh over every rank of every node.
-        self._data_parallel_size = self.num_nodes * self.num_processes
-        self._tensor_parallel_size = 1
+        # A (data x tensor) mesh: tensor-parallel groups of neighbouring ranks, ZeRO across the groups.
+        world = self.num_nodes * self.num_processes
+        if world % self.tensor_parallel:
+            raise ValueError(
+                f"`ZeroStrategy(tensor_parallel={self.tensor_parallel})` needs a world size it divides; this run "
+                f"has {world} processes (num_nodes x devices). Choose tensor_parallel from "
+                f"{[d for d in range(1, world + 1) if world % d == 0]}, or change `devices`."
+            )
+        self._data_parallel_size = world // self.tensor_parallel
+        self._tensor_parallel_size = self.tensor_parallel
         super().setup_environment()
 
     @override
@@ -243,20 +276,23 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         if self._flat_engine:
             self._setup_flat(trainer)
             return
-        if not is_fully_sharded(self.model):
+        if not is_fully_sharded(self.model) and not self._user_split():
             # Not sharded by the user's configure_model, nor by an earlier validate/fit: shard here.
             self.model = self.precision_plugin.convert_module(self.model)
             self._check_compression()
             self.model_to_device()
-            shard_module_(
-                self.model,
-                self.device_mesh["data_parallel"],
-                reshard_after_forward=self.stage == 3,
-                targets=auto_wrap_targets(self.model, self.min_wrap_params),
-                mp_policy=self._mp_policy(),
-                offload_policy=self._offload_policy(),
-                async_prefetch=self.root_device.type == "cpu",
-            )
+            if self.tensor_parallel > 1:
+                self._split_tensors()
+            if self.device_mesh["data_parallel"].size() > 1 or self.tensor_parallel == 1:
+                shard_module_(
+                    self.model,
+                    self.device_mesh["data_parallel"],
+                    reshard_after_forward=self.stage == 3,
+                    targets=auto_wrap_targets(self.model, self.min_wrap_params),
+                    mp_policy=self._mp_policy(),
+                    offload_policy=self._offload_policy(),
+                    async_prefetch=self.root_device.type == "cpu",
+                )
         self._sharded_root = is_fully_sharded(self.model)  # read by every step (_step): computed once here
         counter = CommCounter(self.world_size)
         self._fsdp_comm = counter if count_comm_(self.model, counter) else None
@@ -265,8 +301,37 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
+        if self.tensor_parallel > 1:
+            _clip_by_global_norm(self.precision_plugin)
         if trainer.state.fn == TrainerFn.FITTING and not self.offload_optimizer:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _user_split(self) -> bool:
+        """Whether ``configure_model`` already split the module over the tensor-parallel mesh (respected)."""
+        assert self.model is not None
+        return self.tensor_parallel > 1 and any(hasattr(p, "placements") for p in self.model.parameters())
+
+    def _split_tensors(self) -> None:
+        """Tensor parallelism: the same random streams in each tensor-parallel group (replicated activations
+        get the same dropout on every rank of it), then the automatic Megatron-style split (verified per block
+        class; what stays whole is named in a warning)."""
+        assert self.model is not None
+        mesh = self.device_mesh["tensor_parallel"]
+        seed = torch.tensor([torch.initial_seed() % 2**62], dtype=torch.int64, device=self.root_device)
+        torch.distributed.broadcast(seed, src=torch.distributed.get_global_rank(mesh.get_group(), 0),
+                                    group=mesh.get_group())  # fmt: skip
+        seed_all_(int(seed.item()))
+        self._rng_seed = int(seed.item())
+        plan = apply_tensor_parallel_(self.model, mesh)
+        self.tensor_parallel_plan = plan
+        if plan.replicated:
+            reasons = "; ".join(f"{name}: {why}" for name, why in plan.replicated.items())
+            warn_once(
+                f"`ZeroStrategy(tensor_parallel={self.tensor_parallel})` left these modules whole (replicated on "
+                f"every tensor-parallel rank): {reasons}. Split them yourself in `configure_model` "
+                "(torch.distributed.tensor.parallel.parallelize_module) if they matter.",
+                BigtrainWarning,
+            )
 
     @property
     def _flat_engine(self) -> bool:
@@ -674,6 +739,36 @@ class _FullWeightsLauncher(_MultiProcessingLauncher):
             weights_path = os.path.join(tempfile.mkdtemp(), ".temp.ckpt")
             self._strategy.checkpoint_io.save_checkpoint(state_dict, weights_path)
         return _WorkerOutput(best_model_path, weights_path, trainer.state, results, self.get_extra_results(trainer))
+
+
+def _check_tensor_parallel(degree: Any, stage: int, offload: bool, compressor: Compressor | None) -> None:
+    if not isinstance(degree, int) or isinstance(degree, bool) or degree < 1:
+        raise ValueError(
+            f"`ZeroStrategy(tensor_parallel={degree!r})`: must be an integer >= 1 (1: no tensor parallelism)."
+        )
+    if degree == 1:
+        return
+    if stage != 3:
+        raise ValueError(
+            f"`ZeroStrategy(stage={stage}, tensor_parallel={degree})` is not supported yet: tensor parallelism "
+            "composes with FSDP2's sharding on the data axis. Use stage=3."
+        )
+    if offload or compressor is not None:
+        given = "offload_optimizer/offload_params" if offload else "compression"
+        raise ValueError(
+            f"`ZeroStrategy(tensor_parallel={degree}, {given}=...)` is not supported yet: drop `{given}` or "
+            "tensor_parallel."
+        )
+
+
+def _clip_by_global_norm(plugin: Any) -> None:
+    """Make ``plugin``'s clipping by norm measure the global norm over split (DTensor) and whole gradients:
+    torch's ``clip_grad_norm_`` refuses a mix of DTensors and plain tensors."""
+
+    def clip_grad_by_norm(optimizer: Any, clip_val: float) -> None:
+        clip_grad_norm_global_(plugin.main_params(optimizer), float(clip_val))
+
+    plugin.clip_grad_by_norm = clip_grad_by_norm
 
 
 def _is_url(location: str) -> bool:

@@ -18,6 +18,8 @@ NAMES = {
     "bigtrain_zero3",
     "bigtrain_zero2_offload",
     "bigtrain_zero3_offload",
+    "bigtrain_zero3_tp2",
+    "bigtrain_zero3_tp4",
     "bigtrain_ddp_powersgd",
     "bigtrain_ddp_topk",
     "bigtrain_ddp_onebit",

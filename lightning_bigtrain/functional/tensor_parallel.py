@@ -1,0 +1,415 @@
+"""Automatic tensor parallelism for any module, in Megatron-LM's layout, on DTensor.
+
+The layout is Megatron-LM's (Shoeybi et al., 2019, "Megatron-LM: Training Multi-Billion Parameter Language
+Models Using Model Parallelism", section 3): in each transformer block, the first linear of a pair is split by
+output features ("column"), the second by input features ("row"), so the activation between them stays split
+and one all-reduce per pair and pass restores the block's output. Attention's query/key/value projections are
+column-split by heads and its output projection row-split; the token embedding and the LM head are split
+along the vocabulary.
+
+:func:`plan_tensor_parallel` finds the splits from the module's structure alone (no tracing, no data):
+
+* *blocks* are the repeated children of a ``ModuleList`` / ``Sequential`` (as for sharding units);
+* inside a block, an *attention* is a submodule with an integer head count (``n_head``, ``num_heads``, ...)
+  holding two or more linears: the last is the output projection (row), the others its inputs (column),
+  where an input ``k`` times as wide as the output projection's input is ``k`` packed projections (q/k/v);
+* the other linears of the block pair up as an *MLP*: ``a`` then ``b`` with ``b.in == a.out`` and
+  ``b.out == a.in`` (or ``a``, ``g`` then ``b`` for a gated MLP);
+* outside the blocks, the largest ``nn.Embedding`` is the vocabulary, and a linear producing that many
+  features the LM head.
+
+:func:`apply_tensor_parallel_` then splits them with ``torch.distributed.tensor.parallel``'s styles. Every
+block class is first checked on a copy: the split copy and the original must give the same output on the same
+random input (a norm or a reshape the structure did not show would make them differ). A block class that fails
+the check, or that the rules cannot split, stays replicated and is named in a warning; nothing is split on a
+guess.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from torch import nn
+
+from lightning_bigtrain.functional.sharding import local_view
+
+__all__ = [
+    "Split",
+    "TensorParallelPlan",
+    "apply_tensor_parallel_",
+    "clip_grad_norm_global_",
+    "plan_tensor_parallel",
+    "sharded_fraction",
+]
+
+_CONTAINERS = (nn.ModuleList, nn.Sequential)
+_HEAD_ATTR = re.compile(r"^(n_?heads?|num_?heads|num_attention_heads|nhead|heads)$")
+_WIDTH_ATTRS = ("split_size", "all_head_size", "inner_dim", "inner_size")
+SplitStyle = Literal["column", "row", "vocab_embedding", "vocab_head"]
+
+
+@dataclass(frozen=True)
+class Split:
+    """How one module is split: ``column`` (output features), ``row`` (input features), ``vocab_embedding`` (an
+    embedding's rows) or ``vocab_head`` (an LM head's output features, logits gathered). ``pack``: a column
+    split's output holds that many projections side by side (q, k, v: 3), each split by heads."""
+
+    style: SplitStyle
+    pack: int = 1
+
+
+@dataclass
+class TensorParallelPlan:
+    """What :func:`plan_tensor_parallel` found. ``splits``: module name -> :class:`Split`; ``attributes``:
+    module name -> {attribute: global value}, integers (head counts, widths) divided by the degree;
+    ``blocks``: the blocks' names; ``replicated``: a block (or class) left whole -> why."""
+
+    degree: int
+    splits: dict[str, Split] = field(default_factory=dict)
+    attributes: dict[str, dict[str, int]] = field(default_factory=dict)
+    blocks: list[str] = field(default_factory=list)
+    replicated: dict[str, str] = field(default_factory=dict)
+
+    def packed(self) -> dict[str, int]:
+        """Parameter name -> pack count, for the packed column splits' parameters (their saved layout)."""
+        return {
+            f"{name}.{p}": split.pack
+            for name, split in self.splits.items()
+            if split.pack > 1
+            for p in ("weight", "bias")
+        }
+
+
+def _is_linear(m: nn.Module) -> bool:
+    return isinstance(m, nn.Linear)
+
+
+def _blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The repeated children of containers (outermost first; nested repeats inside a block are its own)."""
+    found: list[tuple[str, nn.Module]] = []
+    for name, parent in model.named_modules():
+        if not isinstance(parent, _CONTAINERS) or any(name.startswith(f"{b}.") or name == b for b, _ in found):
+            continue
+        children = list(parent.named_children())
+        counts = Counter(type(c) for _, c in children)
+        for child_name, child in children:
+            if counts[type(child)] >= 2 and any(_is_linear(m) for m in child.modules()):
+                found.append((f"{name}.{child_name}" if name else child_name, child))
+    return found
+
+
+def _head_attrs(module: nn.Module) -> dict[str, int]:
+    return {
+        k: v for k, v in vars(module).items() if isinstance(v, int) and not isinstance(v, bool) and _HEAD_ATTR.match(k)
+    }
+
+
+def _plan_block(block: nn.Module, degree: int) -> tuple[dict[str, Split], dict[str, dict[str, int]], str | None]:
+    """Splits inside one block (names relative to it), attributes to divide, or why nothing splits."""
+    splits: dict[str, Split] = {}
+    attributes: dict[str, dict[str, int]] = {}
+    in_attention: set[str] = set()
+    notes: list[str] = []
+    deepest_first = sorted(block.named_modules(), key=lambda item: -item[0].count(".") - bool(item[0]))
+    for name, module in deepest_first:
+        heads = _head_attrs(module)
+        prefix = f"{name}." if name else ""
+        own = [(n, m) for n, m in module.named_modules() if _is_linear(m)]
+        if not heads or len(own) < 2 or any(prefix + n in in_attention for n, _ in own):
+            continue
+        out_name, out = own[-1]
+        inner, width = out.in_features, out.out_features
+        count = next(iter(heads.values()))
+        inputs = own[:-1]
+        packs = [m.out_features // inner if m.out_features % inner == 0 else 0 for _, m in inputs]
+        if any(m.in_features != width for _, m in inputs) or 0 in packs or sum(packs) < 2:
+            notes.append(f"{type(module).__name__}: projections of unexpected shapes")
+            continue
+        if count % degree or inner % degree:
+            notes.append(f"{type(module).__name__}: {count} heads not divisible by {degree}")
+            continue
+        for (n, _), pack in zip(inputs, packs, strict=True):
+            splits[prefix + n] = Split("column", pack)
+        splits[prefix + out_name] = Split("row")
+        divide = dict(heads)
+        divide.update({k: v for k in _WIDTH_ATTRS if isinstance(v := getattr(module, k, None), int) and v == inner})
+        attributes[name] = divide
+        in_attention.update(prefix + n for n, _ in own)
+    rest = [(n, m) for n, m in block.named_modules() if _is_linear(m) and n not in in_attention]
+    i = 0
+    while i < len(rest):
+        (na, a), nxt = rest[i], rest[i + 1 : i + 3]
+        if (
+            len(nxt) == 2
+            and nxt[0][1].in_features == a.in_features
+            and nxt[0][1].out_features == a.out_features
+            and nxt[1][1].in_features == a.out_features
+            and nxt[1][1].out_features == a.in_features
+            and a.out_features % degree == 0
+        ):  # gated MLP: a (gate) and g (up) column, then b (down) row
+            splits[na] = splits[nxt[0][0]] = Split("column")
+            splits[nxt[1][0]] = Split("row")
+            i += 3
+        elif (
+            nxt
+            and nxt[0][1].in_features == a.out_features
+            and nxt[0][1].out_features == a.in_features
+            and a.out_features % degree == 0
+        ):
+            splits[na], splits[nxt[0][0]] = Split("column"), Split("row")
+            i += 2
+        else:
+            i += 1
+    if not splits:
+        return {}, {}, "; ".join(notes) or "no attention or MLP linears found"
+    return splits, attributes, None
+
+
+def plan_tensor_parallel(model: nn.Module, degree: int) -> TensorParallelPlan:
+    """Find the Megatron-style splits of ``model`` for tensor-parallel degree ``degree`` (structure only).
+
+    Returns a :class:`TensorParallelPlan`; nothing is changed. Names are ``model.named_modules()``'s."""
+    if not isinstance(degree, int) or degree < 1:
+        raise ValueError(f"`tensor_parallel={degree!r}`: must be an integer >= 1.")
+    plan = TensorParallelPlan(degree)
+    if degree == 1:
+        return plan
+    blocks = _blocks(model)
+    by_class: dict[type, tuple[dict[str, Split], dict[str, dict[str, int]], str | None]] = {}
+    for name, block in blocks:
+        if type(block) not in by_class:
+            by_class[type(block)] = _plan_block(block, degree)
+        splits, attributes, why = by_class[type(block)]
+        plan.blocks.append(name)
+        if why is not None:
+            plan.replicated[name] = why
+            continue
+        plan.splits.update({f"{name}.{k}": v for k, v in splits.items()})
+        plan.attributes.update({f"{name}.{k}" if k else name: dict(v) for k, v in attributes.items()})
+    inside = tuple(f"{name}." for name, _ in blocks)
+    embeddings = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Embedding) and not n.startswith(inside)]
+    if embeddings:
+        name, emb = max(embeddings, key=lambda e: e[1].num_embeddings)
+        vocab = emb.num_embeddings
+        heads = [
+            (n, m)
+            for n, m in model.named_modules()
+            if _is_linear(m) and not n.startswith(inside) and m.out_features == vocab
+        ]
+        tied = any(m.weight is emb.weight for _, m in heads)
+        if vocab % degree:
+            plan.replicated[name] = f"vocabulary of {vocab} not divisible by {degree}"
+        elif tied:
+            plan.replicated[name] = "embedding tied to the LM head (split together in a later release)"
+        else:
+            plan.splits[name] = Split("vocab_embedding")
+            for n, _ in heads:
+                plan.splits[n] = Split("vocab_head")
+    return plan
+
+
+def _get(model: nn.Module, name: str) -> nn.Module:
+    return model.get_submodule(name) if name else model
+
+
+def _pack_rows_(module: nn.Module, pack: int, degree: int) -> None:
+    """Reorder a packed projection's output rows so that contiguous slice ``r`` of ``degree`` holds rank r's
+    heads of every packed projection: ``[q_0 k_0 v_0 | q_1 k_1 v_1 | ...]`` instead of ``[q | k | v]``."""
+    with torch.no_grad():
+        for pname in ("weight", "bias"):
+            p = getattr(module, pname, None)
+            if p is None:
+                continue
+            rest = p.shape[1:]
+            width = p.shape[0] // pack
+            reordered = p.reshape(pack, degree, width // degree, *rest).transpose(0, 1).reshape(p.shape)
+            p.copy_(reordered)
+
+
+def _apply_splits(root: nn.Module, splits: dict[str, Split], attributes: dict[str, dict[str, int]], mesh) -> None:
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+
+    degree = mesh.size()
+    styles: dict[str, ParallelStyle] = {}
+    for name, split in splits.items():
+        module = _get(root, name)
+        if split.style == "column":
+            if split.pack > 1:
+                _pack_rows_(module, split.pack, degree)
+            styles[name] = ColwiseParallel()
+        elif split.style == "row":
+            styles[name] = RowwiseParallel()
+        elif split.style == "vocab_embedding":
+            styles[name] = RowwiseParallel(input_layouts=Replicate())
+        else:
+            styles[name] = ColwiseParallel(output_layouts=Replicate())
+    parallelize_module(root, mesh, styles)
+    for name, attrs in attributes.items():
+        module = _get(root, name)
+        for attr, value in attrs.items():
+            setattr(module, attr, value // degree)
+
+
+def _verify_block(block: nn.Module, splits, attributes, mesh, width: int) -> str | None:
+    """Split a copy of ``block`` and compare it with the original on one random input; None when equal."""
+    device = next(block.parameters()).device
+    if device.type == "meta":
+        return None
+    trial = copy.deepcopy(block)
+    was_training = block.training
+    block.eval()
+    trial.eval()
+    generator = torch.Generator(device="cpu").manual_seed(1234)
+    x = torch.randn(2, 8, width, generator=generator).to(device=device, dtype=next(block.parameters()).dtype)
+    why = None
+    try:
+        with torch.no_grad():
+            expected = _first_tensor(block(x))
+            _apply_splits(trial, splits, attributes, mesh)
+            got = _first_tensor(trial(x))
+        if got.shape != expected.shape:
+            why = f"split output has shape {tuple(got.shape)}, expected {tuple(expected.shape)}"
+        else:
+            err = (got.float() - expected.float()).abs().max().item()
+            scale = expected.float().abs().max().item() + 1e-6
+            if err > 1e-4 * scale + 1e-6:
+                why = f"split output differs from the original (max error {err:.2e})"
+    except Exception as error:  # a forward that cannot take the split copy: replicated, with the reason
+        why = f"split copy failed to run ({type(error).__name__}: {error})"
+    finally:
+        block.train(was_training)
+    # Every rank of the group must reach the same verdict.
+    flag = torch.tensor([0.0 if why is None else 1.0], device=device)
+    torch.distributed.all_reduce(flag, group=mesh.get_group())
+    if flag.item() and why is None:
+        why = "split output differs from the original on another rank"
+    return why
+
+
+def _first_tensor(out: object) -> torch.Tensor:
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+        return out[0]
+    raise TypeError(f"block returned {type(out).__name__}, not a tensor")
+
+
+def _block_width(block: nn.Module, splits: dict[str, Split]) -> int:
+    name = next(n for n, s in splits.items() if s.style == "column")
+    module = block.get_submodule(name)
+    assert isinstance(module, nn.Linear)
+    return module.in_features
+
+
+def apply_tensor_parallel_(
+    model: nn.Module, mesh, plan: TensorParallelPlan | None = None, verify: bool = True
+) -> TensorParallelPlan:
+    """Split ``model`` in place over the 1-D ``mesh`` (its tensor-parallel group) and return the plan applied.
+
+    Parameters that stay whole are made identical on every rank of the group (rank 0's values), as the split
+    ones are (``distribute_tensor`` takes rank 0's). With ``verify``, each block class is checked on a copy
+    first (see the module's docstring); a class that fails stays replicated and ``plan.replicated`` says why."""
+    degree = mesh.size()
+    plan = plan if plan is not None else plan_tensor_parallel(model, degree)
+    if plan.degree != degree:
+        raise ValueError(f"plan for degree {plan.degree} applied on a mesh of {degree} ranks")
+    group = mesh.get_group()
+    src = torch.distributed.get_global_rank(group, 0)
+    with torch.no_grad():
+        for tensor in list(model.parameters()) + list(model.buffers()):
+            if tensor.device.type != "meta" and not hasattr(tensor, "placements"):
+                torch.distributed.broadcast(tensor, src=src, group=group)
+    if verify and degree > 1:
+        checked: dict[type, str | None] = {}
+        for name in plan.blocks:
+            if name in plan.replicated:
+                continue
+            block = _get(model, name)
+            if type(block) not in checked:
+                local = _relative(plan, name)
+                checked[type(block)] = _verify_block(block, *local, mesh, _block_width(block, local[0]))
+            why = checked[type(block)]
+            if why is not None:
+                plan.replicated[name] = why
+                for key in [k for k in plan.splits if k.startswith(f"{name}.")]:
+                    del plan.splits[key]
+                for key in [k for k in plan.attributes if k == name or k.startswith(f"{name}.")]:
+                    del plan.attributes[key]
+    _apply_splits(model, plan.splits, plan.attributes, mesh)
+    return plan
+
+
+def _relative(plan: TensorParallelPlan, block: str) -> tuple[dict[str, Split], dict[str, dict[str, int]]]:
+    prefix = f"{block}."
+    splits = {k[len(prefix) :]: v for k, v in plan.splits.items() if k.startswith(prefix)}
+    attributes = {
+        ("" if k == block else k[len(prefix) :]): v
+        for k, v in plan.attributes.items()
+        if k == block or k.startswith(prefix)
+    }
+    return splits, attributes
+
+
+def sharded_fraction(model: nn.Module, plan: TensorParallelPlan) -> float:
+    """Fraction of the blocks' parameters (counted at full size) that the plan splits."""
+    total = split = 0
+    for name in plan.blocks:
+        block = _get(model, name)
+        for mname, module in block.named_modules():
+            full = f"{name}.{mname}" if mname else name
+            n = sum(_full_numel(p) for p in module.parameters(recurse=False))
+            total += n
+            split += n if full in plan.splits else 0
+    return split / total if total else 0.0
+
+
+def _full_numel(p: torch.Tensor) -> int:
+    return int(torch.Size(p.shape).numel())
+
+
+def clip_grad_norm_global_(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Clip gradients by their global norm where some are DTensors (split, or sharded) and some plain tensors
+    (whole on every rank). Each DTensor contributes its local shard's ``p``-th power sum, summed over the ranks
+    of every mesh dimension it is sharded on; a replicated one (and a plain tensor) counts once."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.tensor(0.0)
+    device = local_view(grads[0]).device
+    if norm_type == float("inf"):
+        raise ValueError(
+            "gradient_clip_algorithm='norm' with an infinite norm is not supported with tensor parallelism"
+        )
+    plain = torch.zeros((), device=device, dtype=torch.float32)
+    sharded: dict[tuple, torch.Tensor] = {}
+    meshes: dict[tuple, tuple] = {}
+    for g in grads:
+        placements = getattr(g, "placements", None)
+        local = local_view(g)
+        power = local.detach().float().norm(norm_type) ** norm_type
+        dims = tuple(i for i, pl in enumerate(placements or ()) if pl.is_shard())
+        if not dims:
+            plain = plain + power
+            continue
+        mesh = getattr(g, "device_mesh")  # noqa: B009 (a DTensor's)
+        key = (id(mesh), dims)
+        meshes[key] = (mesh, dims)
+        sharded[key] = sharded.get(key, torch.zeros((), device=device)) + power
+    total = plain
+    for key, value in sharded.items():
+        mesh, dims = meshes[key]
+        for d in dims:
+            torch.distributed.all_reduce(value, group=mesh.get_group(d))
+        total = total + value
+    norm = total ** (1.0 / norm_type)
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for g in grads:
+        local = local_view(g)
+        local.mul_(coef.to(local.dtype))
+    return norm

@@ -1,0 +1,85 @@
+"""Tensor parallelism under ZeroStrategy on CPU ranks over gloo: losses equal a single-process run."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import pytest
+from torch.utils.data import DataLoader, DistributedSampler
+
+from lightning_bigtrain.data import ShakespeareDataModule
+from lightning_bigtrain.models import CharGPT
+from lightning_bigtrain.strategies import ZeroStrategy
+from tests.helpers.distributed import run_on_ranks
+
+pytestmark = pytest.mark.integration
+
+_QUIET = dict(logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+
+
+class OneReplica(ShakespeareDataModule):
+    """The single process's loader: the order Lightning's injected ``DistributedSampler`` (seed 0) deals to the
+    data-parallel ranks, as one replica. Rank ``r`` of ``N`` takes ``perm[r::N]``, so ``N`` ranks' batches of
+    ``B`` are together this loader's batch of ``N * B``."""
+
+    def train_dataloader(self) -> DataLoader:
+        data = self._splits["train"]
+        return DataLoader(data, batch_size=self.batch_size, sampler=DistributedSampler(data, 1, 0, seed=0))
+
+
+class Losses(L.Callback):
+    """Each step's loss averaged over the data-parallel ranks (every rank of a tensor-parallel group has it)."""
+
+    def __init__(self) -> None:
+        self.values: list[float] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, *args: Any) -> None:
+        self.values.append(float(trainer.strategy.reduce(outputs["loss"].detach(), reduce_op="mean")))
+
+
+def _model() -> CharGPT:
+    return CharGPT(block_size=32, n_layer=2, n_head=4, n_embd=64, dropout=0.0, warmup_steps=5)
+
+
+def _fit(devices: int, strategy: Any, steps: int, batch: int) -> tuple[list[float], Any]:
+    L.seed_everything(0, verbose=False)
+    model = _model()
+    losses = Losses()
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, limit_val_batches=0,
+                        gradient_clip_val=0.5, enable_checkpointing=False, callbacks=[losses], **_QUIET)  # fmt: skip
+    data = (OneReplica if devices == 1 else ShakespeareDataModule)(block_size=32, batch_size=batch, subset=2048)
+    trainer.fit(model, datamodule=data)
+    return losses.values, trainer.strategy
+
+
+def _tp2(rank: int, steps: int) -> dict[str, Any]:
+    losses, strategy = _fit(2, ZeroStrategy(stage=3, tensor_parallel=2), steps, batch=8)
+    from lightning_bigtrain.functional.tensor_parallel import sharded_fraction
+
+    plan = strategy.tensor_parallel_plan
+    return {"losses": losses, "fraction": sharded_fraction(strategy.lightning_module, plan),
+            "replicated": dict(plan.replicated)}  # fmt: skip
+
+
+def _single(rank: int, steps: int, batch: int) -> list[float]:
+    return _fit(1, "auto", steps, batch)[0]
+
+
+def _assert_same(got: list[float], expected: list[float]) -> None:
+    assert len(got) == len(expected)
+    first = max(abs(a - b) / abs(b) for a, b in zip(got[:5], expected[:5], strict=True))
+    worst = max(abs(a - b) / abs(b) for a, b in zip(got, expected, strict=True))
+    assert first < 1e-5, (first, got[:5], expected[:5])
+    assert worst < 1e-4, (worst, got, expected)
+
+
+def test_tp2_losses_equal_a_single_process_run_over_50_steps():
+    expected = run_on_ranks(_single, 50, 8, world_size=1, init_process_group=False)[0]
+    results = run_on_ranks(_tp2, 50, init_process_group=False)
+    for r in results:
+        print(f"tp=2: {r['fraction']:.1%} of the transformer blocks' parameters split")
+        assert r["fraction"] >= 0.8, r
+        assert r["replicated"] == {}
+        _assert_same(r["losses"], expected)
+    assert results[0]["losses"] == results[1]["losses"]
