@@ -393,7 +393,9 @@ def clip_grad_norm_global_(parameters: Iterable[torch.Tensor], max_norm: float, 
         placements = getattr(g, "placements", None)
         local = local_view(g)
         power = local.detach().float().norm(norm_type) ** norm_type
-        dims = tuple(i for i, pl in enumerate(placements or ()) if pl.is_shard())
+        # Any placement but Replicate divides the tensor over that mesh dimension (Shard, and FSDP2's
+        # _StridedShard of a tensor-parallel shard, which is not a Shard); gradients are never Partial here.
+        dims = tuple(i for i, pl in enumerate(placements or ()) if not pl.is_replicate())
         if not dims:
             plain = plain + power
             continue

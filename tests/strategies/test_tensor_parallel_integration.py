@@ -83,3 +83,15 @@ def test_tp2_losses_equal_a_single_process_run_over_50_steps():
         assert r["replicated"] == {}
         _assert_same(r["losses"], expected)
     assert results[0]["losses"] == results[1]["losses"]
+
+
+def _dp2_tp2(rank: int, steps: int) -> list[float]:
+    return _fit(4, ZeroStrategy(stage=3, tensor_parallel=2, min_wrap_params=1000), steps, batch=8)[0]
+
+
+def test_dp2_x_tp2_on_4_ranks_losses_equal_a_single_process_run():
+    """FSDP2 (ZeRO-3) across two tensor-parallel pairs (4 ranks on 2 cores: oversubscribed)."""
+    expected = run_on_ranks(_single, 20, 16, world_size=1, init_process_group=False)[0]
+    results = run_on_ranks(_dp2_tp2, 20, world_size=4, init_process_group=False)
+    for losses in results:
+        _assert_same(losses, expected)
