@@ -6,6 +6,7 @@ from typing import Any
 
 import lightning as L
 import pytest
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_bigtrain.data import ShakespeareDataModule
@@ -95,3 +96,26 @@ def test_dp2_x_tp2_on_4_ranks_losses_equal_a_single_process_run():
     results = run_on_ranks(_dp2_tp2, 20, world_size=4, init_process_group=False)
     for losses in results:
         _assert_same(losses, expected)
+
+
+def _resume(rank: int, folder: str, tp: int = 2) -> dict[str, list[float]]:
+    """12 steps with a checkpoint every 6 (mid-epoch); then a new Trainer resumes from step 6's."""
+
+    def run(callbacks: list[L.Callback], ckpt_path: str | None) -> list[float]:
+        L.seed_everything(0, verbose=False)  # the sampler's shuffling seed must match (checked on resume)
+        losses = Losses()
+        trainer = L.Trainer(accelerator="cpu", devices=2, strategy=ZeroStrategy(stage=3, tensor_parallel=tp),
+                            max_steps=12, limit_val_batches=0, gradient_clip_val=0.5, callbacks=[losses, *callbacks],
+                            **_QUIET)  # fmt: skip
+        data = ShakespeareDataModule(block_size=32, batch_size=8, subset=2048)
+        trainer.fit(_model(), datamodule=data, ckpt_path=ckpt_path)
+        return losses.values
+
+    every6 = ModelCheckpoint(dirpath=folder, filename="{step}", every_n_train_steps=6, save_top_k=-1)
+    straight = run([every6], None)
+    return {"straight": straight[6:], "resumed": run([], f"{folder}/step=6.ckpt")}
+
+
+def test_tp2_resumes_exactly_from_a_sharded_checkpoint(tmp_path):
+    for r in run_on_ranks(_resume, str(tmp_path), init_process_group=False):
+        assert r["resumed"] == r["straight"], (r["resumed"], r["straight"])
