@@ -45,7 +45,10 @@ __all__ = [
     "apply_tensor_parallel_",
     "clip_grad_norm_global_",
     "plan_tensor_parallel",
+    "saved_layout",
     "sharded_fraction",
+    "unpack_rows",
+    "unpacked_shards",
 ]
 
 _CONTAINERS = (nn.ModuleList, nn.Sequential)
@@ -415,3 +418,79 @@ def clip_grad_norm_global_(parameters: Iterable[torch.Tensor], max_norm: float, 
         local = local_view(g)
         local.mul_(coef.to(local.dtype))
     return norm
+
+
+def unpack_rows(full: torch.Tensor, pack: int, degree: int) -> torch.Tensor:
+    """A whole packed projection's tensor back in its own order (``[q | k | v]``), from the split order
+    ``[q_0 k_0 v_0 | q_1 k_1 v_1 | ...]`` that the ``degree`` ranks hold it in (inverse of the split's reorder)."""
+    rows = full.shape[0]
+    return full.reshape(degree, pack, rows // (pack * degree), *full.shape[1:]).transpose(0, 1).reshape(full.shape)
+
+
+def _unpacked_segments(start: int, rows: int, width: int, pack: int, degree: int) -> list[tuple[int, int, int]]:
+    """Split order rows ``[start, start + rows)`` as ``(local offset, unpacked row, length)`` runs."""
+    block = width // degree  # one rank's rows of one packed projection
+    per_rank = pack * block
+    runs = []
+    offset = 0
+    while offset < rows:
+        p = start + offset
+        rank, rem = divmod(p, per_rank)
+        j, i = divmod(rem, block)
+        length = min(block - i, rows - offset)
+        runs.append((offset, j * width + rank * block + i, length))
+        offset += length
+    return runs
+
+
+def unpacked_shards(tensor: torch.Tensor, pack: int, degree: int) -> torch.Tensor:
+    """This rank's part of a split packed projection (a DTensor), addressed in the projection's own order.
+
+    Returns a ``ShardedTensor`` whose local shards are *views* of the DTensor's local tensor, one per
+    contiguous run: ``torch.distributed.checkpoint`` saves it as the unsplit tensor would be saved (so the
+    checkpoint loads at any layout, or on one device) and loads into it in place. Collective (all ranks)."""
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, init_from_local_shards
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    mesh = getattr(tensor, "device_mesh")  # noqa: B009 (a DTensor's)
+    placements = getattr(tensor, "placements")  # noqa: B009
+    shape = tuple(tensor.shape)
+    local = local_view(tensor)
+    _, offset = compute_local_shape_and_global_offset(torch.Size(shape), mesh, placements)
+    coordinate = mesh.get_coordinate() or []
+    # A copy that another rank also holds (replicated over a mesh dimension) is given by coordinate 0 only.
+    owner = all(c == 0 for c, pl in zip(coordinate, placements, strict=True) if pl.is_replicate())
+    rank = torch.distributed.get_rank()
+    shards = []
+    if owner and local.numel():
+        width = shape[0] // pack
+        for at, row, length in _unpacked_segments(offset[0], local.shape[0], width, pack, degree):
+            metadata = ShardMetadata(
+                shard_offsets=[row, *offset[1:]],
+                shard_sizes=[length, *local.shape[1:]],
+                placement=f"rank:{rank}/{local.device}",
+            )
+            shards.append(Shard(local[at : at + length], metadata))
+    return init_from_local_shards(shards, *shape)
+
+
+def saved_layout(state: dict, packed: dict[str, int], degree: int) -> dict:
+    """A model or optimizer state dict (fully qualified names) with each split packed projection's tensors in
+    the projection's own order: whole tensors reordered (:func:`unpack_rows`), DTensors as
+    :func:`unpacked_shards` views. Other entries are passed through."""
+
+    def convert(value: object, pack: int) -> object:
+        if not isinstance(value, torch.Tensor) or value.ndim == 0:
+            return value
+        if hasattr(value, "placements"):
+            return unpacked_shards(value, pack, degree)
+        return unpack_rows(value, pack, degree)
+
+    if isinstance(state.get("state"), dict) and "param_groups" in state:  # an optimizer's
+        per_param = {
+            name: ({k: convert(v, packed[name]) for k, v in entry.items()} if name in packed else entry)
+            for name, entry in state["state"].items()
+        }
+        return {**state, "state": per_param}
+    return {name: convert(value, packed[name]) if name in packed else value for name, value in state.items()}

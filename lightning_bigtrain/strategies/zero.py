@@ -53,6 +53,7 @@ from lightning_bigtrain.functional.tensor_parallel import (
     TensorParallelPlan,
     apply_tensor_parallel_,
     clip_grad_norm_global_,
+    saved_layout,
 )
 from lightning_bigtrain.strategies._common import RNG_KEY, ZeroCommon
 from lightning_bigtrain.strategies._compression import (
@@ -405,7 +406,15 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         inner = getattr(optimizer, "_optimizer", optimizer)
         if isinstance(inner, FlatShardedOptimizer):
             return inner.state_dict()  # DTensor partitions: DCP writes each rank's slice
-        return super().optimizer_state(optimizer)
+        return self._saved_layout(super().optimizer_state(optimizer))
+
+    def _saved_layout(self, state: dict[str, Any]) -> dict[str, Any]:
+        """Split packed projections (q/k/v) are held reordered by rank; checkpoints keep their own order, so
+        that they load at any tensor-parallel degree, without tensor parallelism, or consolidated."""
+        plan = self.tensor_parallel_plan
+        if plan is None or not plan.packed():
+            return state
+        return saved_layout(state, plan.packed(), plan.degree)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
@@ -505,8 +514,16 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
     def _load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None) -> dict[str, Any]:
         # What the name points to, once committed (an uncommitted or damaged one is skipped with a warning).
         location = str(self.broadcast(load_path(str(checkpoint_path)) if self.is_global_zero else None))
-        if not self._flat_engine and not _is_url(location):
+        packed = self.tensor_parallel_plan is not None and bool(self.tensor_parallel_plan.packed())
+        if not self._flat_engine and not _is_url(location) and not packed:
             return super().load_checkpoint(location, weights_only=weights_only)
+        if packed and not _is_url(location) and not Path(location).is_dir():
+            raise ValueError(
+                f"`ZeroStrategy(tensor_parallel={self.tensor_parallel})` cannot resume from the single file "
+                f"{location!r}: resume from a sharded checkpoint folder (any layout), or load the weights into "
+                "the module before `fit` (`model.load_state_dict(torch.load(path)['state_dict'])`): they are "
+                "split at setup."
+            )
         import fsspec
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import (
@@ -528,7 +545,8 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
         reader = FsspecReader(location) if _is_url(location) else dcp.FileSystemReader(location)
-        dcp.load(state, storage_reader=reader)
+        # Packed projections load through views in their saved order, in place into the targets.
+        dcp.load({k: self._saved_layout(v) for k, v in state.items()}, storage_reader=reader)
         set_model_state_dict(self.model, state["state_dict"])
         for i, optimizer in enumerate(self.optimizers):
             if isinstance(optimizer, FlatShardedOptimizer):
@@ -652,7 +670,7 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         # DCP saves one copy of replicated (non-sharded) tensors from an arbitrary rank: make it rank 0's.
         if self.options.broadcast_buffers and self.world_size > 1:
             self._broadcast_buffers()
-        return super().lightning_module_state_dict()
+        return self._saved_layout(super().lightning_module_state_dict())
 
     @property
     def compression_engine(self) -> GradientCompression | None:
