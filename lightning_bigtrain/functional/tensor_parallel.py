@@ -32,7 +32,7 @@ import re
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -65,6 +65,7 @@ class Split:
 
     style: SplitStyle
     pack: int = 1
+    conv1d: bool = False  # Hugging Face's Conv1D: its weight is stored (in, out)
 
 
 @dataclass
@@ -78,19 +79,41 @@ class TensorParallelPlan:
     attributes: dict[str, dict[str, int]] = field(default_factory=dict)
     blocks: list[str] = field(default_factory=list)
     replicated: dict[str, str] = field(default_factory=dict)
+    swapped_attention: list[str] = field(default_factory=list)  # nn.MultiheadAttention -> HeadedAttention
 
-    def packed(self) -> dict[str, int]:
-        """Parameter name -> pack count, for the packed column splits' parameters (their saved layout)."""
+    def packed(self) -> dict[str, tuple[int, int]]:
+        """Parameter name -> (pack count, dimension of the packed outputs), for the packed column splits'
+        parameters (their saved layout)."""
         return {
-            f"{name}.{p}": split.pack
+            f"{name}.{p}": (split.pack, int(split.conv1d and p == "weight"))
             for name, split in self.splits.items()
             if split.pack > 1
             for p in ("weight", "bias")
         }
 
 
+def _is_conv1d(m: nn.Module) -> bool:
+    """Hugging Face's ``Conv1D`` (GPT-2's linears): ``x @ weight + bias`` with ``weight`` stored (in, out)."""
+    weight = getattr(m, "weight", None)
+    return type(m).__name__ == "Conv1D" and isinstance(weight, torch.Tensor) and weight.ndim == 2
+
+
 def _is_linear(m: nn.Module) -> bool:
-    return isinstance(m, nn.Linear)
+    return isinstance(m, nn.Linear) or _is_conv1d(m)
+
+
+def _features(m: nn.Module) -> tuple[int, int]:
+    """(in, out) features of a linear or a ``Conv1D``."""
+    if _is_conv1d(m):
+        rows, cols = getattr(m, "weight").shape  # noqa: B009
+        return int(rows), int(cols)
+    assert isinstance(m, nn.Linear)
+    return m.in_features, m.out_features
+
+
+def _output_dim(m: nn.Module) -> int:
+    """The weight's dimension that indexes output features."""
+    return 1 if _is_conv1d(m) else 0
 
 
 def _blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -127,45 +150,35 @@ def _plan_block(block: nn.Module, degree: int) -> tuple[dict[str, Split], dict[s
         if not heads or len(own) < 2 or any(prefix + n in in_attention for n, _ in own):
             continue
         out_name, out = own[-1]
-        inner, width = out.in_features, out.out_features
+        inner, width = _features(out)
         count = next(iter(heads.values()))
         inputs = own[:-1]
-        packs = [m.out_features // inner if m.out_features % inner == 0 else 0 for _, m in inputs]
-        if any(m.in_features != width for _, m in inputs) or 0 in packs or sum(packs) < 2:
+        packs = [_features(m)[1] // inner if _features(m)[1] % inner == 0 else 0 for _, m in inputs]
+        if any(_features(m)[0] != width for _, m in inputs) or 0 in packs or sum(packs) < 2:
             notes.append(f"{type(module).__name__}: projections of unexpected shapes")
             continue
         if count % degree or inner % degree:
             notes.append(f"{type(module).__name__}: {count} heads not divisible by {degree}")
             continue
-        for (n, _), pack in zip(inputs, packs, strict=True):
-            splits[prefix + n] = Split("column", pack)
-        splits[prefix + out_name] = Split("row")
+        for (n, m), pack in zip(inputs, packs, strict=True):
+            splits[prefix + n] = Split("column", pack, _is_conv1d(m))
+        splits[prefix + out_name] = Split("row", conv1d=_is_conv1d(out))
         divide = dict(heads)
         divide.update({k: v for k in _WIDTH_ATTRS if isinstance(v := getattr(module, k, None), int) and v == inner})
         attributes[name] = divide
         in_attention.update(prefix + n for n, _ in own)
-    rest = [(n, m) for n, m in block.named_modules() if _is_linear(m) and n not in in_attention]
+    rest = [(n, _features(m)) for n, m in block.named_modules() if _is_linear(m) and n not in in_attention]
+    conv1d = {n: _is_conv1d(m) for n, m in block.named_modules()}
     i = 0
     while i < len(rest):
         (na, a), nxt = rest[i], rest[i + 1 : i + 3]
-        if (
-            len(nxt) == 2
-            and nxt[0][1].in_features == a.in_features
-            and nxt[0][1].out_features == a.out_features
-            and nxt[1][1].in_features == a.out_features
-            and nxt[1][1].out_features == a.in_features
-            and a.out_features % degree == 0
-        ):  # gated MLP: a (gate) and g (up) column, then b (down) row
-            splits[na] = splits[nxt[0][0]] = Split("column")
-            splits[nxt[1][0]] = Split("row")
+        if len(nxt) == 2 and nxt[0][1] == a and nxt[1][1] == (a[1], a[0]) and a[1] % degree == 0:
+            # gated MLP: a (gate) and g (up) column, then b (down) row
+            splits[na] = splits[nxt[0][0]] = Split("column", conv1d=conv1d[na])
+            splits[nxt[1][0]] = Split("row", conv1d=conv1d[nxt[1][0]])
             i += 3
-        elif (
-            nxt
-            and nxt[0][1].in_features == a.out_features
-            and nxt[0][1].out_features == a.in_features
-            and a.out_features % degree == 0
-        ):
-            splits[na], splits[nxt[0][0]] = Split("column"), Split("row")
+        elif nxt and nxt[0][1] == (a[1], a[0]) and a[1] % degree == 0:
+            splits[na], splits[nxt[0][0]] = Split("column", conv1d=conv1d[na]), Split("row", conv1d=conv1d[nxt[0][0]])
             i += 2
         else:
             i += 1
@@ -203,13 +216,10 @@ def plan_tensor_parallel(model: nn.Module, degree: int) -> TensorParallelPlan:
         heads = [
             (n, m)
             for n, m in model.named_modules()
-            if _is_linear(m) and not n.startswith(inside) and m.out_features == vocab
+            if isinstance(m, nn.Linear) and not n.startswith(inside) and m.out_features == vocab
         ]
-        tied = any(m.weight is emb.weight for _, m in heads)
         if vocab % degree:
             plan.replicated[name] = f"vocabulary of {vocab} not divisible by {degree}"
-        elif tied:
-            plan.replicated[name] = "embedding tied to the LM head (split together in a later release)"
         else:
             plan.splits[name] = Split("vocab_embedding")
             for n, _ in heads:
@@ -222,17 +232,50 @@ def _get(model: nn.Module, name: str) -> nn.Module:
 
 
 def _pack_rows_(module: nn.Module, pack: int, degree: int) -> None:
-    """Reorder a packed projection's output rows so that contiguous slice ``r`` of ``degree`` holds rank r's
+    """Reorder a packed projection's outputs so that contiguous slice ``r`` of ``degree`` holds rank r's
     heads of every packed projection: ``[q_0 k_0 v_0 | q_1 k_1 v_1 | ...]`` instead of ``[q | k | v]``."""
     with torch.no_grad():
         for pname in ("weight", "bias"):
             p = getattr(module, pname, None)
             if p is None:
                 continue
-            rest = p.shape[1:]
-            width = p.shape[0] // pack
-            reordered = p.reshape(pack, degree, width // degree, *rest).transpose(0, 1).reshape(p.shape)
-            p.copy_(reordered)
+            dim = _output_dim(module) if pname == "weight" else 0
+            q = p.movedim(dim, 0)
+            reordered = q.reshape(pack, degree, q.shape[0] // (pack * degree), *q.shape[1:]).transpose(0, 1)
+            p.copy_(reordered.reshape(q.shape).movedim(0, dim))
+
+
+def _conv1d_style(column: bool) -> Any:
+    """ColwiseParallel / RowwiseParallel for Hugging Face's ``Conv1D``, whose weight is stored (in, out): a column
+    split cuts the weight's dimension 1 and the bias, a row split the weight's dimension 0 (bias replicated)."""
+    from functools import partial
+
+    from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    base = ColwiseParallel if column else RowwiseParallel
+    placements = {"weight": Shard(1), "bias": Shard(0)} if column else {"weight": Shard(0), "bias": Replicate()}
+
+    class Conv1DStyle(base):  # type: ignore[misc,valid-type]
+        def _partition_conv1d(self, name: str, module: nn.Module, mesh: Any) -> None:
+            for pname, placement in placements.items():
+                p = getattr(module, pname, None)
+                if p is not None:
+                    value = distribute_tensor(p, mesh, [placement], src_data_rank=self.src_data_rank)
+                    module.register_parameter(pname, nn.Parameter(value, requires_grad=p.requires_grad))
+
+        def _apply(self, module: nn.Module, mesh: Any) -> nn.Module:
+            # The input a row split computes on is split along its last dimension; a column split's is whole.
+            desired = (Replicate(),) if column else (Shard(-1),)
+            return distribute_module(
+                module,
+                mesh,
+                self._partition_conv1d,
+                partial(self._prepare_input_fn, self.input_layouts, desired),
+                partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+            )
+
+    return Conv1DStyle()
 
 
 def _apply_splits(root: nn.Module, splits: dict[str, Split], attributes: dict[str, dict[str, int]], mesh) -> None:
@@ -246,14 +289,23 @@ def _apply_splits(root: nn.Module, splits: dict[str, Split], attributes: dict[st
         if split.style == "column":
             if split.pack > 1:
                 _pack_rows_(module, split.pack, degree)
-            styles[name] = ColwiseParallel()
+            styles[name] = _conv1d_style(True) if split.conv1d else ColwiseParallel()
         elif split.style == "row":
-            styles[name] = RowwiseParallel()
+            styles[name] = _conv1d_style(False) if split.conv1d else RowwiseParallel()
         elif split.style == "vocab_embedding":
             styles[name] = RowwiseParallel(input_layouts=Replicate())
         else:
             styles[name] = ColwiseParallel(output_layouts=Replicate())
+    tied = {
+        name: emb
+        for name, split in splits.items()
+        if split.style == "vocab_head"
+        for emb in [n for n, s in splits.items() if s.style == "vocab_embedding"]
+        if _get(root, name).weight is _get(root, emb).weight
+    }
     parallelize_module(root, mesh, styles)
+    for name, emb in tied.items():  # one parameter again: the head uses the embedding's split weight
+        _get(root, name).weight = _get(root, emb).weight
     for name, attrs in attributes.items():
         module = _get(root, name)
         for attr, value in attrs.items():
@@ -272,11 +324,13 @@ def _verify_block(block: nn.Module, splits, attributes, mesh, width: int) -> str
     generator = torch.Generator(device="cpu").manual_seed(1234)
     x = torch.randn(2, 8, width, generator=generator).to(device=device, dtype=next(block.parameters()).dtype)
     why = None
+    # Every required positional input gets the same tensor (a decoder layer's memory: cross-attention on x).
+    args = [x] * max(1, _required_inputs(block))
     try:
         with torch.no_grad():
-            expected = _first_tensor(block(x))
+            expected = _first_tensor(block(*args))
             _apply_splits(trial, splits, attributes, mesh)
-            got = _first_tensor(trial(x))
+            got = _first_tensor(trial(*args))
         if got.shape != expected.shape:
             why = f"split output has shape {tuple(got.shape)}, expected {tuple(expected.shape)}"
         else:
@@ -296,6 +350,18 @@ def _verify_block(block: nn.Module, splits, attributes, mesh, width: int) -> str
     return why
 
 
+def _required_inputs(block: nn.Module) -> int:
+    """How many positional inputs ``block.forward`` requires (without defaults)."""
+    import inspect
+
+    try:
+        parameters = inspect.signature(block.forward).parameters.values()
+    except (TypeError, ValueError):
+        return 1
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return sum(1 for p in parameters if p.kind in kinds and p.default is inspect.Parameter.empty)
+
+
 def _first_tensor(out: object) -> torch.Tensor:
     if isinstance(out, torch.Tensor):
         return out
@@ -306,9 +372,7 @@ def _first_tensor(out: object) -> torch.Tensor:
 
 def _block_width(block: nn.Module, splits: dict[str, Split]) -> int:
     name = next(n for n, s in splits.items() if s.style == "column")
-    module = block.get_submodule(name)
-    assert isinstance(module, nn.Linear)
-    return module.in_features
+    return _features(block.get_submodule(name))[0]
 
 
 def apply_tensor_parallel_(
@@ -320,7 +384,19 @@ def apply_tensor_parallel_(
     ones are (``distribute_tensor`` takes rank 0's). With ``verify``, each block class is checked on a copy
     first (see the module's docstring); a class that fails stays replicated and ``plan.replicated`` says why."""
     degree = mesh.size()
+    swapped: list[str] = []
+    if plan is None and degree > 1:
+        # nn.MultiheadAttention packs q/k/v in one raw parameter its fused kernel reads whole: the blocks' copies
+        # become HeadedAttention (the same function, one linear per projection), which splits by heads.
+        from lightning_bigtrain.functional.attention import swap_multihead_attention_
+
+        inside = [f"{name}." for name, _ in _blocks(model)]
+        names = [
+            n for n, m in model.named_modules() if type(m) is nn.MultiheadAttention and n.startswith(tuple(inside))
+        ]
+        swapped = swap_multihead_attention_(model, names) if names else []
     plan = plan if plan is not None else plan_tensor_parallel(model, degree)
+    plan.swapped_attention = swapped
     if plan.degree != degree:
         raise ValueError(f"plan for degree {plan.degree} applied on a mesh of {degree} ranks")
     group = mesh.get_group()
@@ -420,35 +496,35 @@ def clip_grad_norm_global_(parameters: Iterable[torch.Tensor], max_norm: float, 
     return norm
 
 
-def unpack_rows(full: torch.Tensor, pack: int, degree: int) -> torch.Tensor:
-    """A whole packed projection's tensor back in its own order (``[q | k | v]``), from the split order
-    ``[q_0 k_0 v_0 | q_1 k_1 v_1 | ...]`` that the ``degree`` ranks hold it in (inverse of the split's reorder)."""
-    rows = full.shape[0]
-    return full.reshape(degree, pack, rows // (pack * degree), *full.shape[1:]).transpose(0, 1).reshape(full.shape)
+def unpack_rows(full: torch.Tensor, pack: int, degree: int, dim: int = 0) -> torch.Tensor:
+    """A whole packed projection's tensor back in its own order (``[q | k | v]`` along ``dim``), from the split
+    order ``[q_0 k_0 v_0 | q_1 k_1 v_1 | ...]`` that ``degree`` ranks hold it in (inverse of the split's reorder)."""
+    q = full.movedim(dim, 0)
+    unpacked = q.reshape(degree, pack, q.shape[0] // (pack * degree), *q.shape[1:]).transpose(0, 1)
+    return unpacked.reshape(q.shape).movedim(0, dim)
 
 
-def _unpacked_segments(start: int, rows: int, width: int, pack: int, degree: int) -> list[tuple[int, int, int]]:
-    """Split order rows ``[start, start + rows)`` as ``(local offset, unpacked row, length)`` runs."""
-    block = width // degree  # one rank's rows of one packed projection
+def _unpacked_segments(start: int, count: int, width: int, pack: int, degree: int) -> list[tuple[int, int, int]]:
+    """Split-order indices ``[start, start + count)`` as ``(local offset, unpacked index, length)`` runs."""
+    block = width // degree  # one rank's share of one packed projection
     per_rank = pack * block
     runs = []
     offset = 0
-    while offset < rows:
-        p = start + offset
-        rank, rem = divmod(p, per_rank)
+    while offset < count:
+        rank, rem = divmod(start + offset, per_rank)
         j, i = divmod(rem, block)
-        length = min(block - i, rows - offset)
+        length = min(block - i, count - offset)
         runs.append((offset, j * width + rank * block + i, length))
         offset += length
     return runs
 
 
-def unpacked_shards(tensor: torch.Tensor, pack: int, degree: int) -> torch.Tensor:
+def unpacked_shards(tensor: torch.Tensor, pack: int, degree: int, dim: int = 0) -> torch.Tensor:
     """This rank's part of a split packed projection (a DTensor), addressed in the projection's own order.
 
     Returns a ``ShardedTensor`` whose local shards are *views* of the DTensor's local tensor, one per
-    contiguous run: ``torch.distributed.checkpoint`` saves it as the unsplit tensor would be saved (so the
-    checkpoint loads at any layout, or on one device) and loads into it in place. Collective (all ranks)."""
+    contiguous run along ``dim``: ``torch.distributed.checkpoint`` saves it as the unsplit tensor would be
+    saved (so the checkpoint loads at any layout, or on one device) and loads into it in place. Collective."""
     from torch.distributed._shard.metadata import ShardMetadata
     from torch.distributed._shard.sharded_tensor import Shard, init_from_local_shards
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -464,33 +540,31 @@ def unpacked_shards(tensor: torch.Tensor, pack: int, degree: int) -> torch.Tenso
     rank = torch.distributed.get_rank()
     shards = []
     if owner and local.numel():
-        width = shape[0] // pack
-        for at, row, length in _unpacked_segments(offset[0], local.shape[0], width, pack, degree):
-            metadata = ShardMetadata(
-                shard_offsets=[row, *offset[1:]],
-                shard_sizes=[length, *local.shape[1:]],
-                placement=f"rank:{rank}/{local.device}",
-            )
-            shards.append(Shard(local[at : at + length], metadata))
+        for at, index, length in _unpacked_segments(offset[dim], local.shape[dim], shape[dim] // pack, pack, degree):
+            offsets, sizes = list(offset), list(local.shape)
+            offsets[dim], sizes[dim] = index, length
+            metadata = ShardMetadata(shard_offsets=offsets, shard_sizes=sizes, placement=f"rank:{rank}/{local.device}")
+            shards.append(Shard(local.narrow(dim, at, length), metadata))
     return init_from_local_shards(shards, *shape)
 
 
-def saved_layout(state: dict, packed: dict[str, int], degree: int) -> dict:
+def saved_layout(state: dict, packed: dict[str, tuple[int, int]], degree: int) -> dict:
     """A model or optimizer state dict (fully qualified names) with each split packed projection's tensors in
     the projection's own order: whole tensors reordered (:func:`unpack_rows`), DTensors as
-    :func:`unpacked_shards` views. Other entries are passed through."""
+    :func:`unpacked_shards` views. ``packed``: :meth:`TensorParallelPlan.packed`. Other entries pass through."""
 
-    def convert(value: object, pack: int) -> object:
+    def convert(value: object, name: str) -> object:
         if not isinstance(value, torch.Tensor) or value.ndim == 0:
             return value
+        pack, dim = packed[name]
         if hasattr(value, "placements"):
-            return unpacked_shards(value, pack, degree)
-        return unpack_rows(value, pack, degree)
+            return unpacked_shards(value, pack, degree, dim)
+        return unpack_rows(value, pack, degree, dim)
 
     if isinstance(state.get("state"), dict) and "param_groups" in state:  # an optimizer's
         per_param = {
-            name: ({k: convert(v, packed[name]) for k, v in entry.items()} if name in packed else entry)
+            name: ({k: convert(v, name) for k, v in entry.items()} if name in packed else entry)
             for name, entry in state["state"].items()
         }
         return {**state, "state": per_param}
-    return {name: convert(value, packed[name]) if name in packed else value for name, value in state.items()}
+    return {name: convert(value, name) if name in packed else value for name, value in state.items()}

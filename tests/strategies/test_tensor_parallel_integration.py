@@ -154,3 +154,54 @@ def test_a_tp2_checkpoint_resumes_at_another_layout_and_consolidates_for_one_dev
     with torch.no_grad():
         loss = model._loss(next(batches)).item()
     assert abs(loss - r["straight"][0]) / r["straight"][0] < 1e-5, (loss, r["straight"][0])
+
+
+class InOrder(L.LightningDataModule):
+    """A datamodule's training split in order (no sampler injected: ``use_distributed_sampler=False``): with one
+    data-parallel replica, every layout sees the same batches."""
+
+    def __init__(self, inner: L.LightningDataModule, batch_size: int) -> None:
+        super().__init__()
+        self.inner, self.batch_size = inner, batch_size
+
+    def setup(self, stage: str) -> None:
+        self.inner.setup(stage)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.inner._splits["train"], batch_size=self.batch_size, shuffle=False)
+
+
+def _family_losses(rank: int, family: str, devices: int) -> dict[str, Any]:
+    from benchmarks.conformance import FAMILIES, _build, _data
+
+    from lightning_bigtrain.functional.tensor_parallel import sharded_fraction
+
+    L.seed_everything(0, verbose=False)
+    model = _build(FAMILIES[family], 0)
+    # Dropout off: a split region draws its masks for its own heads, so random streams cannot match one process.
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+        elif isinstance(m, torch.nn.MultiheadAttention):
+            m.dropout = 0.0
+    losses = Losses()
+    strategy = ZeroStrategy(stage=3, tensor_parallel=2) if devices == 2 else "auto"
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=6, limit_val_batches=0,
+                        gradient_clip_val=1.0, enable_checkpointing=False, use_distributed_sampler=False,
+                        callbacks=[losses], **_QUIET)  # fmt: skip
+    trainer.fit(model, datamodule=InOrder(_data(FAMILIES[family].data), batch_size=8))
+    plan = getattr(trainer.strategy, "tensor_parallel_plan", None)
+    fraction = sharded_fraction(model, plan) if plan is not None else None
+    return {"losses": losses.values, "fraction": fraction, "replicated": plan.replicated if plan else None}
+
+
+@pytest.mark.parametrize("family", ["hf_gpt2", "lightning_demo_transformer", "tv_vit"])
+def test_models_we_did_not_write_split_and_train_as_on_one_process(family):
+    """Hugging Face GPT-2 (Conv1D, LM head tied to the embedding), Lightning's demo Transformer and torchvision's
+    ViT (nn.MultiheadAttention's packed in_proj): >= 80% of the blocks' parameters split, losses as one process."""
+    pytest.importorskip("transformers")
+    expected = run_on_ranks(_family_losses, family, 1, world_size=1, init_process_group=False)[0]["losses"]
+    for r in run_on_ranks(_family_losses, family, 2, init_process_group=False):
+        print(f"{family}: {r['fraction']:.1%} of the transformer blocks' parameters split")
+        assert r["fraction"] >= 0.8 and r["replicated"] == {}, r
+        torch.testing.assert_close(r["losses"], expected, rtol=1e-5, atol=0)
