@@ -173,7 +173,6 @@ class InOrder(L.LightningDataModule):
 
 def _family_losses(rank: int, family: str, devices: int) -> dict[str, Any]:
     from benchmarks.conformance import FAMILIES, _build, _data
-
     from lightning_bigtrain.functional.tensor_parallel import sharded_fraction
 
     L.seed_everything(0, verbose=False)
