@@ -73,7 +73,8 @@ if TYPE_CHECKING:
 
 __all__ = ["ZeroStrategy", "consolidate_checkpoint"]
 _CAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-_LAYOUT_KEY = "bigtrain_flat_layout"  # mixed-precision stages 1-2: where parameters lie in the fp32 masters
+_LAYOUT_KEY = "bigtrain_flat_layout"
+_SWAPPED_KEY = "bigtrain_tp_swapped_attention"  # nn.MultiheadAttention held as HeadedAttention under tensor parallelism  # mixed-precision stages 1-2: where parameters lie in the fp32 masters
 
 
 class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy):
@@ -421,6 +422,9 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         """Sharded: a folder written under a temporary name and committed by rank 0 (``filepath`` becomes a link,
         or a pointer object on object stores); one file: through the atomic ``checkpoint_io``."""
         checkpoint[RNG_KEY] = self._rng_state()
+        if self.tensor_parallel_plan is not None and self.tensor_parallel_plan.swapped_attention:
+            # Held as HeadedAttention (q/k/v projections) while split; consolidation restores torch's layout.
+            checkpoint[_SWAPPED_KEY] = list(self.tensor_parallel_plan.swapped_attention)
         flats = [getattr(o, "_optimizer", o) for o in self.optimizers]
         if any(isinstance(o, FlatShardedOptimizer) and o._mixed for o in flats):
             # Where each parameter lies in the fp32 masters, so `consolidate_checkpoint` writes fp32 weights.
@@ -842,10 +846,23 @@ def consolidate_checkpoint(path: str | os.PathLike[str], output: str | os.PathLi
     if "state_dict" not in checkpoint:
         raise ValueError(f"{folder} holds no `state_dict`; is it a ZeroStrategy checkpoint?")
     _masters_into_state_dict(checkpoint)
+    _attention_into_torch_layout(checkpoint)
     for key in [k for k in checkpoint if k.startswith("optimizer_")]:
         del checkpoint[key]
     torch.save(checkpoint, out)
     return out
+
+
+def _attention_into_torch_layout(checkpoint: dict[str, Any]) -> None:
+    """Tensor parallelism held each ``nn.MultiheadAttention`` of the blocks as a HeadedAttention (separate q/k/v
+    projections): write them back as torch's packed ``in_proj_weight`` / ``in_proj_bias``, so the file loads
+    into the module as the user wrote it."""
+    state = checkpoint["state_dict"]
+    for name in checkpoint.pop(_SWAPPED_KEY, None) or []:
+        for kind in ("weight", "bias"):
+            parts = [state.pop(f"{name}.{p}_proj.{kind}", None) for p in "qkv"]
+            if all(part is not None for part in parts):
+                state[f"{name}.in_proj_{kind}"] = torch.cat(parts)
 
 
 def _masters_into_state_dict(checkpoint: dict[str, Any]) -> None:

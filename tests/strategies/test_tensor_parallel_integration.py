@@ -171,18 +171,22 @@ class InOrder(L.LightningDataModule):
         return DataLoader(self.inner._splits["train"], batch_size=self.batch_size, shuffle=False)
 
 
-def _family_losses(rank: int, family: str, devices: int) -> dict[str, Any]:
-    from benchmarks.conformance import FAMILIES, _build, _data
-    from lightning_bigtrain.functional.tensor_parallel import sharded_fraction
-
-    L.seed_everything(0, verbose=False)
-    model = _build(FAMILIES[family], 0)
-    # Dropout off: a split region draws its masks for its own heads, so random streams cannot match one process.
+def _no_dropout(model: L.LightningModule) -> L.LightningModule:
+    """Dropout off: a split region draws its masks for its own heads, so random streams cannot match one process."""
     for m in model.modules():
         if isinstance(m, torch.nn.Dropout):
             m.p = 0.0
         elif isinstance(m, torch.nn.MultiheadAttention):
             m.dropout = 0.0
+    return model
+
+
+def _family_losses(rank: int, family: str, devices: int) -> dict[str, Any]:
+    from benchmarks.conformance import FAMILIES, _build, _data
+    from lightning_bigtrain.functional.tensor_parallel import sharded_fraction
+
+    L.seed_everything(0, verbose=False)
+    model = _no_dropout(_build(FAMILIES[family], 0))
     losses = Losses()
     strategy = ZeroStrategy(stage=3, tensor_parallel=2) if devices == 2 else "auto"
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=6, limit_val_batches=0,
@@ -204,3 +208,38 @@ def test_models_we_did_not_write_split_and_train_as_on_one_process(family):
         print(f"{family}: {r['fraction']:.1%} of the transformer blocks' parameters split")
         assert r["fraction"] >= 0.8 and r["replicated"] == {}, r
         torch.testing.assert_close(r["losses"], expected, rtol=1e-5, atol=0)
+
+
+def _demo_checkpoint(rank: int, folder: str) -> list[float]:
+    from benchmarks.conformance import FAMILIES, _build, _data
+
+    L.seed_everything(0, verbose=False)
+    model = _no_dropout(_build(FAMILIES["lightning_demo_transformer"], 0))
+    losses = Losses()
+    every2 = ModelCheckpoint(dirpath=folder, filename="{step}", every_n_train_steps=2, save_top_k=-1)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=ZeroStrategy(stage=3, tensor_parallel=2), max_steps=3,
+                        limit_val_batches=0, use_distributed_sampler=False, callbacks=[losses, every2],
+                        **_QUIET)  # fmt: skip
+    trainer.fit(model, datamodule=InOrder(_data("text"), batch_size=8))
+    return losses.values
+
+
+def test_consolidated_tp2_checkpoint_of_nn_multihead_attention_loads_into_the_users_module(tmp_path):
+    """Split as HeadedAttention, consolidated back to torch's packed in_proj: loads strictly into the demo
+    Transformer as written, and gives step 2's loss on step 2's batch."""
+    from benchmarks.conformance import FAMILIES, _build, _data
+
+    from lightning_bigtrain.strategies.zero import consolidate_checkpoint
+
+    losses = run_on_ranks(_demo_checkpoint, str(tmp_path), init_process_group=False)[0]
+    single = torch.load(consolidate_checkpoint(tmp_path / "step=2.ckpt", tmp_path / "one.ckpt"), weights_only=False)
+    model = _build(FAMILIES["lightning_demo_transformer"], 1)
+    model.load_state_dict(single["state_dict"], strict=True)
+    model.eval()
+    data = InOrder(_data("text"), batch_size=8)
+    data.setup("fit")
+    batch = list(data.train_dataloader())[2]
+    with torch.no_grad():
+        loss = model.training_step(batch, 2)
+    loss = float(loss["loss"] if isinstance(loss, dict) else loss)
+    assert abs(loss - losses[2]) / losses[2] < 1e-5, (loss, losses[2])
