@@ -47,6 +47,7 @@ __all__ = [
     "plan_tensor_parallel",
     "saved_layout",
     "sharded_fraction",
+    "split_grads_",
     "unpack_rows",
     "unpacked_shards",
 ]
@@ -210,8 +211,20 @@ def plan_tensor_parallel(model: nn.Module, degree: int) -> TensorParallelPlan:
         plan.attributes.update({f"{name}.{k}" if k else name: dict(v) for k, v in attributes.items()})
     inside = tuple(f"{name}." for name, _ in blocks)
     embeddings = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Embedding) and not n.startswith(inside)]
-    if embeddings:
-        name, emb = max(embeddings, key=lambda e: e[1].num_embeddings)
+    # The vocabulary: an embedding with an LM head (a linear outside the blocks producing as many features, or
+    # sharing its weight); without one, the largest embedding (position tables are rarely the largest).
+    with_head = [
+        (n, e)
+        for n, e in embeddings
+        if any(
+            isinstance(m, nn.Linear)
+            and not hn.startswith(inside)
+            and (m.out_features == e.num_embeddings or m.weight is e.weight)
+            for hn, m in model.named_modules()
+        )
+    ]
+    if with_head or embeddings:
+        name, emb = max(with_head or embeddings, key=lambda e: e[1].num_embeddings)
         vocab = emb.num_embeddings
         heads = [
             (n, m)
@@ -423,6 +436,24 @@ def apply_tensor_parallel_(
                     del plan.attributes[key]
     _apply_splits(model, plan.splits, plan.attributes, mesh)
     return plan
+
+
+def split_grads_(model: nn.Module) -> None:
+    """Hold each split parameter's gradient split as the parameter is; call after backward. DTensor computes some
+    gradients whole on every rank (a vocabulary-split embedding's: its output gradient is replicated); taking this
+    rank's slice of a replicated gradient sends nothing and frees the rest. (Not a gradient hook: moving a module
+    with ``.to()`` swaps a DTensor parameter's tensor and its hooks stop firing.)"""
+    from torch.distributed.tensor import DTensor
+
+    for param in model.parameters():
+        grad, placements = param.grad, getattr(param, "placements", None)
+        if grad is None or placements is None or getattr(grad, "placements", placements) == placements:
+            continue
+        local = local_view(grad.redistribute(placements=placements))  # type: ignore[attr-defined]
+        # The slice is a view of the whole gradient: copy it so that the whole one is freed.
+        mesh = getattr(param, "device_mesh")  # noqa: B009 (a DTensor's)
+        param.grad = DTensor.from_local(local.clone(), mesh, placements, run_check=False, shape=param.shape,
+                                        stride=param.stride())  # fmt: skip
 
 
 def _relative(plan: TensorParallelPlan, block: str) -> tuple[dict[str, Split], dict[str, dict[str, int]]]:

@@ -37,6 +37,8 @@ from torch import nn
 from lightning_bigtrain.engines.flat_shard import norm_parameters
 from lightning_bigtrain.functional.compression import COMPRESSION_NAMES
 from lightning_bigtrain.functional.memory import parse_bytes
+from lightning_bigtrain.planning.parallel import estimate_tensor_parallel
+from lightning_bigtrain.planning.parallel import layouts as tensor_parallel_layouts
 from lightning_bigtrain.warnings import BigtrainWarning
 
 __all__ = [
@@ -784,6 +786,36 @@ def _plan(model_or_num_params: nn.Module | int, cluster: Cluster, workload: Work
                       fits=False)  # fmt: skip
         fits = row.peak_bytes <= memory and (host_limit is None or host_bytes * devices <= host_limit)
         rows[name] = PlanRow(**{**row.__dict__, "fits": fits})
+    if isinstance(model_or_num_params, nn.Module) and devices > 1:
+        example_tp = torch.zeros(tuple(batch_shape), dtype=input_dtype) if batch_shape is not None else None
+        # Messages in the compute dtype: 16 bits for every precision but fp32's.
+        element = 4 if _COMPUTE[precision][0] is None else 2
+        for degree in tensor_parallel_layouts(devices):
+            name = f"zero3_tp{degree}"
+            try:
+                est = estimate_tensor_parallel(model_or_num_params, degree, n, example_tp)
+            except Exception as err:  # a model the structure rules or the fake run cannot handle: no row
+                notes.append(f"{name}: not estimated ({type(err).__name__}: {err})")
+                continue
+            if not est.plan.splits:
+                notes.append(f"{name}: nothing in this model splits (no transformer blocks found)")
+                continue
+            dp = est.data_parallel
+            dp_ring = (dp - 1) / dp
+            p_dev, g_dev = est.shard_numel * p_bytes, est.shard_numel_trainable * g_bytes
+            s_dev = est.shard_numel_trainable * state_per_param + est.tensors * step_bytes
+            dp_total = dp * est.shard_numel
+            sent = dp_ring * (2 * dp_total * p_bytes + dp * est.shard_numel_trainable * g_bytes)
+            # ZeRO-3 over the data-parallel ranks: parameters gathered twice per unit, gradients reduce-scattered.
+            seconds = 3 * units * (dp - 1) * latency + (sent / beta if dp > 1 else 0.0)
+            sent += est.tensor_parallel_bytes(element)
+            seconds += est.tensor_parallel_seconds(element, intra, latency)
+            local_unit = largest_unit / degree  # an upper bound: the split part of a block is 1/T
+            transient = (2 * local_unit * p_bytes + local_unit * g_bytes if dp > 1 else 0.0) + backward_extra
+            row = PlanRow(name, p_dev, g_dev, s_dev, activations, transient, 0.0, sent, seconds, 0.0, fits=False)
+            rows[name] = PlanRow(**{**row.__dict__, "fits": row.peak_bytes <= memory})
+            if not est.messages:
+                notes.append(f"{name}: tensor-parallel bytes need batch_shape (left out)")
     if accelerator == "cpu":
         notes.append("on CPU, offloading has nothing to move: the offload rows are ZeRO-3 (FSDP2) without offload")
     compressed: dict[str, PlanRow] = {}

@@ -54,6 +54,7 @@ from lightning_bigtrain.functional.tensor_parallel import (
     apply_tensor_parallel_,
     clip_grad_norm_global_,
     saved_layout,
+    split_grads_,
 )
 from lightning_bigtrain.strategies._common import RNG_KEY, ZeroCommon
 from lightning_bigtrain.strategies._compression import (
@@ -74,7 +75,8 @@ if TYPE_CHECKING:
 __all__ = ["ZeroStrategy", "consolidate_checkpoint"]
 _CAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 _LAYOUT_KEY = "bigtrain_flat_layout"
-_SWAPPED_KEY = "bigtrain_tp_swapped_attention"  # nn.MultiheadAttention held as HeadedAttention under tensor parallelism  # mixed-precision stages 1-2: where parameters lie in the fp32 masters
+# nn.MultiheadAttention held as HeadedAttention under tensor parallelism
+_SWAPPED_KEY = "bigtrain_tp_swapped_attention"  # mixed-precision stages 1-2: where parameters lie in the fp32 masters
 
 
 class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy):
@@ -716,6 +718,8 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         self._logged_comm_bytes = sent
 
     def _optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        if self.tensor_parallel > 1 and not self._sharded_root:
+            closure = _then(closure, lambda: split_grads_(self.lightning_module))  # (FSDP2 shards them itself)
         closure = self._closure_counting_state(closure, lambda: self._log_memory(optimizer))
         return super().optimizer_step(optimizer, closure, model, **kwargs)
 
@@ -781,6 +785,17 @@ def _check_tensor_parallel(degree: Any, stage: int, offload: bool, compressor: C
             f"`ZeroStrategy(tensor_parallel={degree}, {given}=...)` is not supported yet: drop `{given}` or "
             "tensor_parallel."
         )
+
+
+def _then(closure: Any, after: Any) -> Any:
+    """``closure``, then ``after()`` (its result kept)."""
+
+    def closure_then() -> Any:
+        result = closure()
+        after()
+        return result
+
+    return closure_then
 
 
 def _clip_by_global_norm(plugin: Any) -> None:

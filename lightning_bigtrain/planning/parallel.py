@@ -1,0 +1,156 @@
+"""Planner rows for tensor parallelism under ZeRO-3: ``zero3_tp{T}`` (``ZeroStrategy(stage=3, tensor_parallel=T)``).
+
+The split is :func:`~lightning_bigtrain.functional.tensor_parallel.plan_tensor_parallel`'s, found from the model's
+structure as the strategy finds it (the strategy also checks each block class on a copy and keeps a class whole if
+its split copy disagrees: the planner cannot run that check and assumes it passes). Per rank:
+
+* **Model states**, exact: each parameter's local shape after the split (its split dimension divided by ``T``),
+  then FSDP2's shard over the ``N / T`` data-parallel ranks (dimension 0 padded to a multiple of ``N / T``).
+* **Tensor-parallel bytes**, from the messages' sizes measured on fake tensors (a forward of the unsplit model with
+  hooks on the split modules): each row split's output is all-reduced in forward and each column split's input
+  gradient in backward (DTensor redistributes the partial sums); the vocabulary-split embedding's output is
+  all-reduced, the LM head's logits all-gathered and its input gradient all-reduced. Ring equivalent: an
+  all-reduce sends ``2(T-1)/T`` of the message, an all-gather ``(T-1)/T`` of its output. The tensor-parallel group
+  is taken within a node (intra-node bandwidth).
+* **Data-parallel bytes**: ZeRO-3's (two all-gathers and a reduce-scatter per step) of the local shapes, over
+  ``N / T`` ranks.
+* **Activations**: the unsplit model's (an upper bound: the split regions hold ``1/T`` of theirs; sequence
+  parallelism is not implemented).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_bigtrain.functional.tensor_parallel import Split, TensorParallelPlan, plan_tensor_parallel
+
+__all__ = ["TensorParallelEstimate", "estimate_tensor_parallel", "layouts"]
+
+
+def layouts(devices: int) -> list[int]:
+    """The tensor-parallel degrees the planner tries on nodes of ``devices``: every divisor from 2 up."""
+    return [d for d in range(2, devices + 1) if devices % d == 0]
+
+
+def _split_dims(model: nn.Module, plan: TensorParallelPlan) -> dict[int, int]:
+    """``id(parameter)`` -> the dimension the split divides (absent: whole on every rank)."""
+    dims: dict[int, int] = {}
+
+    def weight_dim(split: Split) -> int | None:
+        if split.style in ("column", "vocab_head"):
+            return 1 if split.conv1d else 0
+        if split.style == "row":
+            return 0 if split.conv1d else 1
+        return 0  # vocab_embedding: rows
+
+    for name, split in plan.splits.items():
+        module = model.get_submodule(name)
+        weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
+        d = weight_dim(split)
+        if isinstance(weight, torch.Tensor) and d is not None:
+            dims[id(weight)] = d
+        if isinstance(bias, torch.Tensor) and split.style != "row":
+            dims[id(bias)] = 0
+    return dims
+
+
+@torch.no_grad()
+def _messages(model: nn.Module, plan: TensorParallelPlan, example: torch.Tensor) -> list[tuple[str, int]]:
+    """``("all_reduce" | "all_gather", elements)`` for each tensor-parallel collective of one forward and backward,
+    measured on fake tensors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    found: list[tuple[str, int]] = []
+    hooks = []
+
+    def numel(x: Any) -> int:
+        x = x if isinstance(x, torch.Tensor) else x[0]
+        return int(x.numel())
+
+    for name, split in plan.splits.items():
+        module = model.get_submodule(name)
+
+        def hook(m: nn.Module, args: tuple[Any, ...], out: Any, split: Split = split) -> None:
+            if split.style == "row":
+                found.append(("all_reduce", numel(out)))  # forward: partial sums
+            elif split.style == "column":
+                found.append(("all_reduce", numel(args)))  # backward: the input's gradient
+            elif split.style == "vocab_embedding":
+                found.append(("all_reduce", numel(out)))
+            else:  # vocab_head: logits gathered, the input's gradient all-reduced in backward
+                found.extend([("all_gather", numel(out)), ("all_reduce", numel(args))])
+
+        hooks.append(module.register_forward_hook(hook))
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            params = {n: mode.from_tensor(p) for n, p in model.named_parameters()}
+            buffers = {n: mode.from_tensor(b) for n, b in model.named_buffers()}
+            torch.func.functional_call(model, {**params, **buffers}, (mode.from_tensor(example),))
+    finally:
+        for h in hooks:
+            h.remove()
+    return found
+
+
+class TensorParallelEstimate:
+    """Per-rank model-state elements and tensor-parallel messages of one degree (see the module docstring)."""
+
+    def __init__(self, model: nn.Module, degree: int, world: int, example: torch.Tensor | None) -> None:
+        if world % degree:
+            raise ValueError(f"tensor_parallel={degree} does not divide the world size {world}")
+        self.degree, self.data_parallel = degree, world // degree
+        subject = model
+        if any(type(m) is nn.MultiheadAttention for m in model.modules()):
+            # The strategy holds blocks' nn.MultiheadAttention as HeadedAttention (split by heads): plan that.
+            from lightning_bigtrain.functional.attention import swap_multihead_attention_
+            from lightning_bigtrain.functional.tensor_parallel import _blocks
+
+            subject = copy.deepcopy(model)
+            inside = tuple(f"{name}." for name, _ in _blocks(subject))
+            names = [n for n, m in subject.named_modules() if type(m) is nn.MultiheadAttention and n.startswith(inside)]
+            swap_multihead_attention_(subject, names)
+        self.plan = plan_tensor_parallel(subject, degree)
+        dims = _split_dims(subject, self.plan)
+        self.local_numel = 0  # after the split, before FSDP2
+        self.shard_numel = 0  # FSDP2's shard over the data-parallel ranks (padded)
+        self.shard_numel_trainable = 0
+        self.tensors = 0
+        for p in subject.parameters():
+            shape = list(p.shape) or [1]
+            if id(p) in dims:
+                shape[dims[id(p)]] //= degree
+            rows, rest = shape[0], math.prod(shape[1:])
+            self.local_numel += rows * rest
+            shard = math.ceil(rows / self.data_parallel) * rest if self.data_parallel > 1 else rows * rest
+            self.shard_numel += shard
+            if p.requires_grad:
+                self.shard_numel_trainable += shard
+                self.tensors += 1
+        self.messages = _messages(subject, self.plan, example) if example is not None else []
+
+    def tensor_parallel_bytes(self, element_bytes: int) -> float:
+        """Bytes one rank sends per step in the tensor-parallel collectives (ring equivalent)."""
+        t = self.degree
+        factor = {"all_reduce": 2 * (t - 1) / t, "all_gather": (t - 1) / t}
+        return sum(factor[kind] * n * element_bytes for kind, n in self.messages)
+
+    def tensor_parallel_seconds(self, element_bytes: int, bandwidth: float, latency: float) -> float:
+        t = self.degree
+        steps = {"all_reduce": 2 * (t - 1), "all_gather": t - 1}
+        return (
+            sum(steps[kind] * latency for kind, _ in self.messages)
+            + self.tensor_parallel_bytes(element_bytes) / bandwidth
+        )
+
+
+def estimate_tensor_parallel(
+    model: nn.Module, degree: int, world: int, example: torch.Tensor | None = None
+) -> TensorParallelEstimate:
+    """:class:`TensorParallelEstimate` of ``model`` split ``degree`` ways on ``world`` ranks; ``example`` (a batch
+    of one device) measures the tensor-parallel messages."""
+    return TensorParallelEstimate(model, degree, world, example)
