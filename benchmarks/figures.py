@@ -329,6 +329,7 @@ BLOCKS: dict[str, Block] = {
         Block("augmentation", _module("benchmarks.augmentation"), ("docs/augmentation.md",), ("augmentation.json",)),
         Block("data", _module("benchmarks.data"), ("docs/data.md",), ("data.json",)),
         Block("tune", _module("benchmarks.tune"), ("docs/tune.md",), ("tune.json",)),
+        Block("parallel", _module("benchmarks.parallel"), ("docs/parallel.md",), ("parallel.json",)),
         Block("tune-gpt", _module("benchmarks.tune", "render_gpt_block"), ("docs/tune.md",), ("tune_gpt.json",)),
         Block("randaugment", _module("benchmarks.randaugment"), ("docs/augmentation.md",), ("randaugment.json",)),
         Block(

@@ -15,8 +15,9 @@ Measured per rank: the model states at the second step (``model_state_bytes``: l
 FSDP2-sharded parameters, their gradients and AdamW's moments) against the planner's ``zero3_tp2`` row (exact);
 the bytes the tensor-parallel collectives send in one step, counted where DTensor issues them (its functional
 collectives, ring equivalent) against the planner's message sizes measured on fake tensors (exact); and the
-median step time over the steps after two warm-up steps, as a ratio to DDP's. Rendered into docs/parallel.md by
-:func:`render_block`.
+median step time over the steps after two warm-up steps. The speed figure is throughput (tokens per second over
+the job) against DDP's: at the same per-rank batch, DDP's 2 ranks train on two batches per step and one
+tensor-parallel pair on one. Rendered into docs/parallel.md by :func:`render_block`.
 """
 
 from __future__ import annotations
@@ -140,6 +141,11 @@ def worker(layout: str, quick: bool, steps: int, out: str) -> None:
         }))  # fmt: skip
 
 
+def _throughput(entry: dict[str, Any]) -> float:
+    """Tokens per second over the job: one batch per data-parallel rank per step."""
+    return entry["devices"] // entry["degree"] * BATCH * BLOCK / entry["step_seconds_median"]
+
+
 def _planner(layout: str, quick: bool) -> dict[str, float]:
     import torch
 
@@ -184,8 +190,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         figures[layout] = entry
         print(f"{layout}: states {max(measured['model_state_bytes_per_rank']) / 2**20:.2f} MiB per rank, "
               f"step {1e3 * measured['step_seconds_median']:.0f} ms", flush=True)  # fmt: skip
-    figures["tp2"]["step_over_ddp"] = ratio(figures["tp2"]["step_seconds_median"],
-                                            figures["ddp"]["step_seconds_median"])  # fmt: skip
+    figures["tp2"]["throughput_over_ddp"] = ratio(_throughput(figures["tp2"]), _throughput(figures["ddp"]))
     rows = [
         {
             "layout": k,
@@ -194,13 +199,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "TP MiB/step": max(v["tp_bytes_per_rank"]) / 2**20,
             "planner TP MiB": v["planner"].get("tp_bytes_per_step", 0.0) / 2**20,
             "step ms": 1e3 * v["step_seconds_median"],
+            "tokens/s": _throughput(v),
         }
         for k, v in figures.items()
     ]
     table = print_table(rows, list(rows[0]))
     tp2 = figures["tp2"]
     headline = (f"tp2 states x{tp2['states_over_planner']:.3f} planner, TP bytes x{tp2['tp_bytes_over_planner']:.3f} "
-                f"planner, step x{tp2['step_over_ddp']:.2f} DDP")  # fmt: skip
+                f"planner, throughput x{tp2['throughput_over_ddp']:.2f} DDP")  # fmt: skip
     payload = {"config": {"quick": args.quick, "steps": args.steps, "batch": [BATCH, BLOCK], "layouts": LAYOUTS},
                "figures": figures, "table": table}  # fmt: skip
     path = write_results("parallel", payload, headline, args.results_dir,
@@ -224,7 +230,7 @@ def render_block(results_dir: Path = RESULTS_DIR) -> str:
             if name == "ddp"
             else f"{max(v['tp_bytes_per_rank']) / 2**20:.2f} ({p['tp_bytes_per_step'] / 2**20:.2f})"
         )
-        step = "-" if name == "dp2_tp2" else f"{1e3 * v['step_seconds_median']:.0f}"
+        step = "- | -" if name == "dp2_tp2" else f"{1e3 * v['step_seconds_median']:.0f} | {_throughput(v):.0f}"
         rows.append(
             f"| {name} | {max(v['model_state_bytes_per_rank']) / 2**20:.2f} ({p['model_state_bytes'] / 2**20:.2f}) "
             f"| {tp} | {step} |"
@@ -238,16 +244,18 @@ def render_block(results_dir: Path = RESULTS_DIR) -> str:
             f"CPU over gloo. Under `tensor_parallel=2` the automatic split covers "
             f"**{100 * tp2['sharded_fraction']:.1f}%** of the blocks' parameters. Per rank, measured (planner):",
             "",
-            "| layout | model states MiB | tensor-parallel MiB sent per step | step ms |",
-            "|---|---|---|---|",
+            "| layout | model states MiB | tensor-parallel MiB sent per step | step ms | tokens/s |",
+            "|---|---|---|---|---|",
             *rows,
             "",
             f"Model states **x{tp2['states_over_planner']:.3f}** the planner's, tensor-parallel bytes "
             f"**x{tp2['tp_bytes_over_planner']:.3f}** (tp2); `dp2_tp2` x{f['dp2_tp2']['states_over_planner']:.3f} and "
-            f"x{f['dp2_tp2']['tp_bytes_over_planner']:.3f}. Step time of tp2 **x{tp2['step_over_ddp']:.2f}** DDP's on "
-            "this 2-core CPU (each tensor-parallel rank computes half of every block but waits on four blocking "
-            "all-reduces per block; DTensor's dispatch adds a fixed cost per split module); `dp2_tp2` runs 4 processes "
-            "on 2 cores, so its time is not a figure.",
+            f"x{f['dp2_tp2']['tp_bytes_over_planner']:.3f}. Throughput of tp2 "
+            f"**x{tp2['throughput_over_ddp']:.2f}** DDP's on this 2-core CPU, at the same batch per data-parallel rank "
+            "(DDP's two ranks train on two batches per step, the pair on one: here tensor parallelism buys memory, "
+            "not speed; each rank computes half of every block but waits on four blocking all-reduces per block, and "
+            "DTensor's dispatch adds a fixed cost per split module). `dp2_tp2` runs 4 processes on 2 cores, so its "
+            "time is not a figure.",
         ]
     )
 

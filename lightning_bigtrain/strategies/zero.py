@@ -719,7 +719,9 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
 
     def _optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         if self.tensor_parallel > 1 and not self._sharded_root:
-            closure = _then(closure, lambda: split_grads_(self.lightning_module))  # (FSDP2 shards them itself)
+            model = self.model
+            assert model is not None
+            closure = _then(closure, lambda: split_grads_(model))  # (FSDP2 shards them itself)
         closure = self._closure_counting_state(closure, lambda: self._log_memory(optimizer))
         return super().optimizer_step(optimizer, closure, model, **kwargs)
 
@@ -758,6 +760,13 @@ class _FullWeightsLauncher(_MultiProcessingLauncher):
         best_model_path = getattr(callback, "best_model_path", None) if callback else None
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         state_dict = get_model_state_dict(trainer.lightning_module, options=options)  # collective: every rank
+        strategy = self._strategy
+        if isinstance(strategy, ZeroStrategy) and strategy.tensor_parallel_plan is not None:
+            # The main process holds the module as written: packed q/k/v in their own order, torch's attention.
+            holder: dict[str, Any] = {"state_dict": strategy._saved_layout(state_dict),
+                                      _SWAPPED_KEY: strategy.tensor_parallel_plan.swapped_attention}  # fmt: skip
+            _attention_into_torch_layout(holder)
+            state_dict = holder["state_dict"]
         if self._strategy.local_rank != 0:
             return None
         weights_path = None

@@ -228,7 +228,6 @@ def test_consolidated_tp2_checkpoint_of_nn_multihead_attention_loads_into_the_us
     """Split as HeadedAttention, consolidated back to torch's packed in_proj: loads strictly into the demo
     Transformer as written, and gives step 2's loss on step 2's batch."""
     from benchmarks.conformance import FAMILIES, _build, _data
-
     from lightning_bigtrain.strategies.zero import consolidate_checkpoint
 
     losses = run_on_ranks(_demo_checkpoint, str(tmp_path), init_process_group=False)[0]
