@@ -277,7 +277,20 @@ def render_headline(results_dir: Path = RESULTS_DIR) -> str:
             f"defaults' {100 * f['defaults']['mean_acc']:.2f}% (mean of {len(f['seeds'])} seeds, same budget)"
         )
 
+    def parallel(r: dict[str, Any]) -> str:
+        f = r["figures"]
+        tp2, ddp = f["tp2"], f["ddp"]
+        states = max(tp2["model_state_bytes_per_rank"]) / max(ddp["model_state_bytes_per_rank"])
+        return (
+            f"[Tensor parallelism](docs/parallel.md): at `tensor_parallel=2` the automatic split covers "
+            f"{100 * tp2['sharded_fraction']:.1f}% of the char-GPT's block parameters, model states per rank "
+            f"x{states:.2f} DDP's; states and tensor-parallel bytes x{tp2['states_over_planner']:.3f} / "
+            f"x{tp2['tp_bytes_over_planner']:.3f} the planner's; throughput x{tp2['throughput_over_ddp']:.2f} DDP's on "
+            "2 CPU cores"
+        )
+
     item("zero.json", zero)
+    item("parallel.json", parallel)
     item("compression.json", compression)
     bf16(results_dir)
     item("distillation.json", distillation)
@@ -294,7 +307,7 @@ def render_headline(results_dir: Path = RESULTS_DIR) -> str:
 
 _RESULTS_OF_HEADLINE = ("zero.json", "compression.json", "precision*.json", "distillation.json", "pruning.json",
                         "augmentation.json", "data.json", "fusion.json", "chaos.json", "conformance.json",
-                        "tune.json")  # fmt: skip
+                        "tune.json", "parallel.json")  # fmt: skip
 
 #: Every figure block, by key: its renderer, the docs it belongs in, the results files it reads.
 BLOCKS: dict[str, Block] = {
