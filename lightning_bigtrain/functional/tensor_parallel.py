@@ -330,18 +330,16 @@ def _verify_block(block: nn.Module, splits, attributes, mesh, width: int) -> str
     device = next(block.parameters()).device
     if device.type == "meta":
         return None
-    trial = copy.deepcopy(block)
-    was_training = block.training
-    block.eval()
-    trial.eval()
+    # Both in fp32 (a 16-bit block's round-off would hide nothing a wrong split changes, but would fail the check).
+    reference, trial = copy.deepcopy(block).float().eval(), copy.deepcopy(block).float().eval()
     generator = torch.Generator(device="cpu").manual_seed(1234)
-    x = torch.randn(2, 8, width, generator=generator).to(device=device, dtype=next(block.parameters()).dtype)
+    x = torch.randn(2, 8, width, generator=generator).to(device=device)
     why = None
     # Every required positional input gets the same tensor (a decoder layer's memory: cross-attention on x).
     args = [x] * max(1, _required_inputs(block))
     try:
         with torch.no_grad():
-            expected = _first_tensor(block(*args))
+            expected = _first_tensor(reference(*args))
             _apply_splits(trial, splits, attributes, mesh)
             got = _first_tensor(trial(*args))
         if got.shape != expected.shape:
@@ -353,8 +351,7 @@ def _verify_block(block: nn.Module, splits, attributes, mesh, width: int) -> str
                 why = f"split output differs from the original (max error {err:.2e})"
     except Exception as error:  # a forward that cannot take the split copy: replicated, with the reason
         why = f"split copy failed to run ({type(error).__name__}: {error})"
-    finally:
-        block.train(was_training)
+    del reference, trial
     # Every rank of the group must reach the same verdict.
     flag = torch.tensor([0.0 if why is None else 1.0], device=device)
     torch.distributed.all_reduce(flag, group=mesh.get_group())
