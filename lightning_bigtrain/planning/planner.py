@@ -73,6 +73,18 @@ STRATEGY_NAMES = {
     "zero2_offload": "bigtrain_zero2_offload",
     "zero3_offload": "bigtrain_zero3_offload",
 }
+
+
+def strategy_config(row: str) -> str | dict[str, Any]:
+    """How ``bigtrain fit`` names a plan row's strategy: a registered name, or for ``zero3_tp{T}`` the class with its
+    arguments (only some degrees are registered)."""
+    match = re.fullmatch(r"zero3_tp(\d+)", row)
+    if match:
+        return {"class_path": "lightning_bigtrain.strategies.ZeroStrategy",
+                "init_args": {"stage": 3, "tensor_parallel": int(match.group(1))}}  # fmt: skip
+    return STRATEGY_NAMES[row]
+
+
 # Bytes per element of (parameters, gradients, each fp32-state element) held by the strategies per precision.
 # Lightning's "-mixed" precisions autocast over fp32 parameters (DDP; ZeRO-3 and offload keep fp32 shards; ZeRO-1/2
 # hold 16-bit replicas with fp32 masters instead, see `flat_row` in `_plan`); "-true" hold everything in 16 bits;
@@ -212,7 +224,7 @@ class Plan:
             devices = self.cluster.devices if devices is None else devices
             num_nodes = self.cluster.num_nodes if num_nodes is None else num_nodes
         config: dict[str, Any] = {"devices": devices, "num_nodes": num_nodes,
-                                  "strategy": STRATEGY_NAMES[self.recommendation]}  # fmt: skip
+                                  "strategy": strategy_config(self.recommendation)}  # fmt: skip
         if self.precision.startswith("bigtrain-bf16-"):
             # BF16Precision is a plugin; Lightning refuses it together with a `precision=` flag.
             compensation = self.precision.removeprefix("bigtrain-bf16-")

@@ -33,3 +33,16 @@ def test_a_model_without_blocks_gets_no_tensor_parallel_row_and_a_note():
     rows = plan(FashionCNN(), devices=2, accelerator="cpu", compression=False)
     assert "zero3_tp2" not in rows.rows
     assert any("zero3_tp2" in note and "nothing" in note for note in rows.notes)
+
+
+def test_a_recommended_tensor_parallel_row_gives_a_trainer_config_fit_reads():
+    from lightning_bigtrain.planning.planner import strategy_config
+
+    assert strategy_config("zero3") == "bigtrain_zero3"
+    assert strategy_config("zero3_tp8") == {"class_path": "lightning_bigtrain.strategies.ZeroStrategy",
+                                            "init_args": {"stage": 3, "tensor_parallel": 8}}  # fmt: skip
+    # 8 devices per node, 2 nodes on a slow link: the split groups keep most bytes inside the nodes.
+    big = CharGPT(vocab_size=96, block_size=256, n_layer=4, n_head=16, n_embd=512)
+    rows = plan(big, devices=8, num_nodes=2, inter_node_bandwidth="25Gbps", batch_shape=(2, 256), compression=False)
+    config = rows.trainer_config()
+    assert config["strategy"] == strategy_config(str(rows.recommendation))

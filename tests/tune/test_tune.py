@@ -274,6 +274,10 @@ def test_each_strategy_spelling_maps_to_its_planner_row():
     assert _plan_row("bigtrain_ddp_powersgd", rows) == "ddp_powersgd"
     zero = {"class_path": "lightning_bigtrain.strategies.ZeroStrategy", "init_args": {"stage": 2}}
     assert _plan_row(zero, rows) == "zero2"
+    rows.update(dict.fromkeys(["zero3_tp2", "zero3_tp4"]))
+    assert _plan_row("bigtrain_zero3_tp2", rows) == "zero3_tp2"
+    tp4 = {"class_path": "lightning_bigtrain.strategies.ZeroStrategy", "init_args": {"stage": 3, "tensor_parallel": 4}}
+    assert _plan_row(tp4, rows) == "zero3_tp4"
     with pytest.raises(_Unplannable, match="no row for strategy 'fsdp'"):
         _plan_row("fsdp", rows)
 
