@@ -215,6 +215,9 @@ def _describe(strategy: Any) -> str:
     stage = getattr(strategy, "stage", None)
     if isinstance(stage, int):
         args.append(f"stage={stage}")
+    degree = getattr(strategy, "tensor_parallel", 1)
+    if isinstance(degree, int) and degree > 1:
+        args.append(f"tensor_parallel={degree}")
     compression = getattr(strategy, "compression", None)
     if compression is not None:
         args.append(f"compression={compression!r}")
