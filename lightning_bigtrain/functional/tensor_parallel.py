@@ -44,6 +44,8 @@ __all__ = [
     "TensorParallelPlan",
     "apply_tensor_parallel_",
     "clip_grad_norm_global_",
+    "finish_load",
+    "merged_shards",
     "plan_tensor_parallel",
     "saved_layout",
     "sharded_fraction",
@@ -576,10 +578,42 @@ def unpacked_shards(tensor: torch.Tensor, pack: int, degree: int, dim: int = 0) 
     return init_from_local_shards(shards, *shape)
 
 
-def saved_layout(state: dict, packed: dict[str, tuple[int, int]], degree: int) -> dict:
-    """A model or optimizer state dict (fully qualified names) with each split packed projection's tensors in
-    the projection's own order: whole tensors reordered (:func:`unpack_rows`), DTensors as
-    :func:`unpacked_shards` views. ``packed``: :meth:`TensorParallelPlan.packed`. Other entries pass through."""
+def merged_shards(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """DTensors split (or sharded) along dimension 0, as one tensor concatenated along it (each after the previous
+    ones): a ``ShardedTensor`` whose local shards are views of the DTensors' local tensors (saved as the
+    concatenation would be; loaded into in place). Collective."""
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, init_from_local_shards
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    rank = torch.distributed.get_rank()
+    shards, base = [], 0
+    for tensor in tensors:
+        mesh = getattr(tensor, "device_mesh")  # noqa: B009 (a DTensor's)
+        placements = getattr(tensor, "placements")  # noqa: B009
+        local = local_view(tensor)
+        _, offset = compute_local_shape_and_global_offset(tensor.shape, mesh, placements)
+        coordinate = mesh.get_coordinate() or []
+        owner = all(c == 0 for c, pl in zip(coordinate, placements, strict=True) if pl.is_replicate())
+        if owner and local.numel():
+            offsets = [base + offset[0], *offset[1:]]
+            where = f"rank:{rank}/{local.device}"
+            shards.append(Shard(local, ShardMetadata(shard_offsets=offsets, shard_sizes=list(local.shape),
+                                                     placement=where)))  # fmt: skip
+        base += tensor.shape[0]
+    return init_from_local_shards(shards, base, *tensors[0].shape[1:])
+
+
+def saved_layout(
+    state: dict, packed: dict[str, tuple[int, int]], degree: int, merged: dict[str, list[str]] | None = None
+) -> dict:
+    """A model or optimizer state dict (fully qualified names) in the layout of the module as written: each split
+    packed projection's tensors in the projection's own order (whole tensors reordered by :func:`unpack_rows`,
+    DTensors as :func:`unpacked_shards` views); and, for ``merged`` (``{name: [source names]}``, e.g. a swapped
+    ``nn.MultiheadAttention``'s ``in_proj_weight`` from its q/k/v projections), the sources as one entry (whole
+    tensors concatenated, DTensors as :func:`merged_shards` views). Other entries pass through."""
+    merged = merged or {}
+    sources = {src for names in merged.values() for src in names}
 
     def convert(value: object, name: str) -> object:
         if not isinstance(value, torch.Tensor) or value.ndim == 0:
@@ -589,10 +623,69 @@ def saved_layout(state: dict, packed: dict[str, tuple[int, int]], degree: int) -
             return unpacked_shards(value, pack, degree, dim)
         return unpack_rows(value, pack, degree, dim)
 
+    def join(values: list[object]) -> object:
+        first = values[0]
+        if not isinstance(first, torch.Tensor) or first.ndim == 0:
+            return first  # e.g. the optimizer's step count: the same for every source
+        tensors = [v for v in values if isinstance(v, torch.Tensor)]
+        return merged_shards(tensors) if hasattr(first, "placements") else torch.cat(tensors)
+
     if isinstance(state.get("state"), dict) and "param_groups" in state:  # an optimizer's
         per_param = {
             name: ({k: convert(v, name) for k, v in entry.items()} if name in packed else entry)
             for name, entry in state["state"].items()
+            if name not in sources
         }
-        return {**state, "state": per_param}
-    return {name: convert(value, name) if name in packed else value for name, value in state.items()}
+        for name, names in merged.items():
+            entries = [state["state"][n] for n in names if n in state["state"]]
+            if len(entries) == len(names):
+                per_param[name] = {k: join([e[k] for e in entries]) for k in entries[0]}
+        groups = []
+        for group in state["param_groups"]:
+            params: list[str] = []
+            for n in group["params"]:
+                target = next((t for t, names in merged.items() if n in names), None)
+                if target is None:
+                    params.append(n)
+                elif target not in params:
+                    params.append(target)
+            groups.append({**group, "params": params})
+        return {**state, "state": per_param, "param_groups": groups}
+    out = {
+        name: convert(value, name) if name in packed else value for name, value in state.items() if name not in sources
+    }
+    for name, names in merged.items():
+        if all(n in state for n in names):
+            out[name] = join([state[n] for n in names])
+    return out
+
+
+def finish_load(loaded: dict, state: dict, merged: dict[str, list[str]]) -> None:
+    """After ``torch.distributed.checkpoint.load`` into :func:`saved_layout`'s dict ``loaded``, complete ``state``
+    (the dict it was made from): tensors loaded through views are in place already; an optimizer's param-group
+    values (learning rate, betas, ...) are copied back; and each merged entry that was a whole tensor is split back
+    into its sources (a scalar, such as the optimizer's step, is given to every source)."""
+    if isinstance(state.get("state"), dict) and "param_groups" in state:  # an optimizer's
+        for group, new in zip(state["param_groups"], loaded["param_groups"], strict=True):
+            group.update({k: v for k, v in new.items() if k != "params"})
+        for name, names in merged.items():
+            for key, value in loaded["state"].get(name, {}).items():
+                targets = [state["state"][n][key] for n in names if key in state["state"].get(n, {})]
+                if isinstance(value, torch.Tensor) and not hasattr(value, "local_shards"):
+                    if value.ndim == 0:
+                        for t in targets:
+                            if t is not value:
+                                t.copy_(value)
+                    else:
+                        _split_into(value, targets)
+        return
+    for name, names in merged.items():
+        value = loaded.get(name)
+        if isinstance(value, torch.Tensor) and not hasattr(value, "local_shards"):
+            _split_into(value, [state[n] for n in names])
+
+
+def _split_into(value: torch.Tensor, targets: list[torch.Tensor]) -> None:
+    with torch.no_grad():
+        for target, part in zip(targets, value.split([t.shape[0] for t in targets]), strict=True):
+            target.copy_(part)

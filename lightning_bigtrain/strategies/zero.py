@@ -53,6 +53,7 @@ from lightning_bigtrain.functional.tensor_parallel import (
     TensorParallelPlan,
     apply_tensor_parallel_,
     clip_grad_norm_global_,
+    finish_load,
     saved_layout,
     split_grads_,
 )
@@ -74,9 +75,7 @@ if TYPE_CHECKING:
 
 __all__ = ["ZeroStrategy", "consolidate_checkpoint"]
 _CAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-_LAYOUT_KEY = "bigtrain_flat_layout"
-# nn.MultiheadAttention held as HeadedAttention under tensor parallelism
-_SWAPPED_KEY = "bigtrain_tp_swapped_attention"  # mixed-precision stages 1-2: where parameters lie in the fp32 masters
+_LAYOUT_KEY = "bigtrain_flat_layout"  # mixed-precision stages 1-2: where parameters lie in the fp32 masters
 
 
 class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy):
@@ -415,18 +414,28 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         """Split packed projections (q/k/v) are held reordered by rank; checkpoints keep their own order, so
         that they load at any tensor-parallel degree, without tensor parallelism, or consolidated."""
         plan = self.tensor_parallel_plan
-        if plan is None or not plan.packed():
+        if plan is None or not (plan.packed() or plan.swapped_attention):
             return state
-        return saved_layout(state, plan.packed(), plan.degree)
+        return saved_layout(state, plan.packed(), plan.degree, self._merged())
+
+    def _merged(self) -> dict[str, list[str]]:
+        """A swapped ``nn.MultiheadAttention``'s q/k/v projections, saved as torch's packed ``in_proj``."""
+        plan = self.tensor_parallel_plan
+        assert plan is not None and self.model is not None
+        names = {n for n, _ in self.model.named_parameters()}
+        merged = {}
+        for attention in plan.swapped_attention:
+            for kind in ("weight", "bias"):
+                sources = [f"{attention}.{p}_proj.{kind}" for p in "qkv"]
+                if all(n in names for n in sources):
+                    merged[f"{attention}.in_proj_{kind}"] = sources
+        return merged
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Sharded: a folder written under a temporary name and committed by rank 0 (``filepath`` becomes a link,
         or a pointer object on object stores); one file: through the atomic ``checkpoint_io``."""
         checkpoint[RNG_KEY] = self._rng_state()
-        if self.tensor_parallel_plan is not None and self.tensor_parallel_plan.swapped_attention:
-            # Held as HeadedAttention (q/k/v projections) while split; consolidation restores torch's layout.
-            checkpoint[_SWAPPED_KEY] = list(self.tensor_parallel_plan.swapped_attention)
         flats = [getattr(o, "_optimizer", o) for o in self.optimizers]
         if any(isinstance(o, FlatShardedOptimizer) and o._mixed for o in flats):
             # Where each parameter lies in the fp32 masters, so `consolidate_checkpoint` writes fp32 weights.
@@ -520,7 +529,8 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
     def _load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None) -> dict[str, Any]:
         # What the name points to, once committed (an uncommitted or damaged one is skipped with a warning).
         location = str(self.broadcast(load_path(str(checkpoint_path)) if self.is_global_zero else None))
-        packed = self.tensor_parallel_plan is not None and bool(self.tensor_parallel_plan.packed())
+        plan = self.tensor_parallel_plan
+        packed = plan is not None and bool(plan.packed() or plan.swapped_attention)
         if not self._flat_engine and not _is_url(location) and not packed:
             return super().load_checkpoint(location, weights_only=weights_only)
         if packed and not _is_url(location) and not Path(location).is_dir():
@@ -551,8 +561,13 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
         reader = FsspecReader(location) if _is_url(location) else dcp.FileSystemReader(location)
-        # Packed projections load through views in their saved order, in place into the targets.
-        dcp.load({k: self._saved_layout(v) for k, v in state.items()}, storage_reader=reader)
+        # Packed projections load through views in their saved order, in place into the targets (whole tensors of
+        # a swapped attention are copied back into its q/k/v).
+        saved = {k: self._saved_layout(v) for k, v in state.items()}
+        dcp.load(saved, storage_reader=reader)
+        if packed:
+            for k in state:
+                finish_load(saved[k], state[k], self._merged())
         set_model_state_dict(self.model, state["state_dict"])
         for i, optimizer in enumerate(self.optimizers):
             if isinstance(optimizer, FlatShardedOptimizer):
@@ -761,12 +776,9 @@ class _FullWeightsLauncher(_MultiProcessingLauncher):
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         state_dict = get_model_state_dict(trainer.lightning_module, options=options)  # collective: every rank
         strategy = self._strategy
-        if isinstance(strategy, ZeroStrategy) and strategy.tensor_parallel_plan is not None:
+        if isinstance(strategy, ZeroStrategy):
             # The main process holds the module as written: packed q/k/v in their own order, torch's attention.
-            holder: dict[str, Any] = {"state_dict": strategy._saved_layout(state_dict),
-                                      _SWAPPED_KEY: strategy.tensor_parallel_plan.swapped_attention}  # fmt: skip
-            _attention_into_torch_layout(holder)
-            state_dict = holder["state_dict"]
+            state_dict = strategy._saved_layout(state_dict)
         if self._strategy.local_rank != 0:
             return None
         weights_path = None
@@ -870,23 +882,10 @@ def consolidate_checkpoint(path: str | os.PathLike[str], output: str | os.PathLi
     if "state_dict" not in checkpoint:
         raise ValueError(f"{folder} holds no `state_dict`; is it a ZeroStrategy checkpoint?")
     _masters_into_state_dict(checkpoint)
-    _attention_into_torch_layout(checkpoint)
     for key in [k for k in checkpoint if k.startswith("optimizer_")]:
         del checkpoint[key]
     torch.save(checkpoint, out)
     return out
-
-
-def _attention_into_torch_layout(checkpoint: dict[str, Any]) -> None:
-    """Tensor parallelism held each ``nn.MultiheadAttention`` of the blocks as a HeadedAttention (separate q/k/v
-    projections): write them back as torch's packed ``in_proj_weight`` / ``in_proj_bias``, so the file loads
-    into the module as the user wrote it."""
-    state = checkpoint["state_dict"]
-    for name in checkpoint.pop(_SWAPPED_KEY, None) or []:
-        for kind in ("weight", "bias"):
-            parts = [state.pop(f"{name}.{p}_proj.{kind}", None) for p in "qkv"]
-            if all(part is not None for part in parts):
-                state[f"{name}.in_proj_{kind}"] = torch.cat(parts)
 
 
 def _masters_into_state_dict(checkpoint: dict[str, Any]) -> None:

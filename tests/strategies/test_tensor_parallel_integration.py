@@ -217,20 +217,32 @@ def _demo_checkpoint(rank: int, folder: str) -> list[float]:
     model = _no_dropout(_build(FAMILIES["lightning_demo_transformer"], 0))
     losses = Losses()
     every2 = ModelCheckpoint(dirpath=folder, filename="{step}", every_n_train_steps=2, save_top_k=-1)
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=ZeroStrategy(stage=3, tensor_parallel=2), max_steps=3,
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=ZeroStrategy(stage=3, tensor_parallel=2), max_steps=4,
                         limit_val_batches=0, use_distributed_sampler=False, callbacks=[losses, every2],
                         **_QUIET)  # fmt: skip
     trainer.fit(model, datamodule=InOrder(_data("text"), batch_size=8))
-    return losses.values
+    # The same checkpoint resumed without tensor parallelism: ZeRO-3 over the 2 ranks, each on the same batches
+    # (no sampler), so the average gradient is the one-batch gradient.
+    L.seed_everything(0, verbose=False)
+    resumed = Losses()
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=ZeroStrategy(stage=3, min_wrap_params=1000), max_steps=4,
+                        limit_val_batches=0, use_distributed_sampler=False, callbacks=[resumed], **_QUIET)  # fmt: skip
+    model = _no_dropout(_build(FAMILIES["lightning_demo_transformer"], 1))
+    trainer.fit(model, datamodule=InOrder(_data("text"), batch_size=8), ckpt_path=f"{folder}/step=2.ckpt")
+    return {"tp2": losses.values, "zero3_from_step2": resumed.values}
 
 
-def test_consolidated_tp2_checkpoint_of_nn_multihead_attention_loads_into_the_users_module(tmp_path):
-    """Split as HeadedAttention, consolidated back to torch's packed in_proj: loads strictly into the demo
-    Transformer as written, and gives step 2's loss on step 2's batch."""
+def test_a_tp2_checkpoint_of_nn_multihead_attention_is_the_users_module(tmp_path):
+    """Split as HeadedAttention, saved as torch's packed in_proj: resumes without tensor parallelism (ZeRO-3, the
+    optimizer's moments included), and consolidates to a file that loads strictly into the demo Transformer as
+    written and gives step 2's loss on step 2's batch."""
     from benchmarks.conformance import FAMILIES, _build, _data
     from lightning_bigtrain.strategies.zero import consolidate_checkpoint
 
-    losses = run_on_ranks(_demo_checkpoint, str(tmp_path), init_process_group=False)[0]
+    r = run_on_ranks(_demo_checkpoint, str(tmp_path), init_process_group=False)[0]
+    losses = r["tp2"]
+    # Saved as torch's packed in_proj (weights and AdamW's moments): the module as written resumes from it.
+    torch.testing.assert_close(r["zero3_from_step2"], losses[2:], rtol=1e-5, atol=0)
     single = torch.load(consolidate_checkpoint(tmp_path / "step=2.ckpt", tmp_path / "one.ckpt"), weights_only=False)
     model = _build(FAMILIES["lightning_demo_transformer"], 1)
     model.load_state_dict(single["state_dict"], strict=True)
