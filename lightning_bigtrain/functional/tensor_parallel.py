@@ -15,14 +15,17 @@ along the vocabulary.
   where an input ``k`` times as wide as the output projection's input is ``k`` packed projections (q/k/v);
 * the other linears of the block pair up as an *MLP*: ``a`` then ``b`` with ``b.in == a.out`` and
   ``b.out == a.in`` (or ``a``, ``g`` then ``b`` for a gated MLP);
-* outside the blocks, the largest ``nn.Embedding`` is the vocabulary, and a linear producing that many
-  features the LM head.
+* outside the blocks, the vocabulary is the embedding with an LM head (a linear producing as many features, or
+  sharing its weight; without one, the largest embedding), and that linear is the LM head;
+* Hugging Face's ``Conv1D`` (weight stored in x out) counts as a linear; ``nn.MultiheadAttention`` inside blocks is
+  first swapped for :class:`~lightning_bigtrain.functional.attention.HeadedAttention` by
+  :func:`apply_tensor_parallel_` (its fused kernel reads the packed projection whole).
 
 :func:`apply_tensor_parallel_` then splits them with ``torch.distributed.tensor.parallel``'s styles. Every
-block class is first checked on a copy: the split copy and the original must give the same output on the same
-random input (a norm or a reshape the structure did not show would make them differ). A block class that fails
-the check, or that the rules cannot split, stays replicated and is named in a warning; nothing is split on a
-guess.
+block class is first checked on fp32 copies: the split copy and the original must give the same output on the
+same random input (a norm or a reshape the structure did not show would make them differ). A block class that
+fails the check, or that the rules cannot split, stays replicated and is named in a warning; nothing is split on
+a guess.
 """
 
 from __future__ import annotations
