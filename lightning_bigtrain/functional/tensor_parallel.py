@@ -552,59 +552,60 @@ def _unpacked_segments(start: int, count: int, width: int, pack: int, degree: in
     return runs
 
 
+def _owned_local(tensor: torch.Tensor) -> tuple[torch.Tensor, list[int], bool]:
+    """A DTensor's local tensor, its offset in the global tensor, and whether this rank gives it to a checkpoint (a
+    copy that other ranks also hold, replicated over a mesh dimension, is given by coordinate 0 only)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    mesh = getattr(tensor, "device_mesh")  # noqa: B009 (a DTensor's)
+    placements = getattr(tensor, "placements")  # noqa: B009
+    _, offset = compute_local_shape_and_global_offset(torch.Size(tensor.shape), mesh, placements)
+    coordinate = mesh.get_coordinate() or []
+    owner = all(c == 0 for c, pl in zip(coordinate, placements, strict=True) if pl.is_replicate())
+    return local_view(tensor), list(offset), owner
+
+
+def _sharded(pieces: list[tuple[torch.Tensor, list[int]]], shape: tuple[int, ...]) -> torch.Tensor:
+    """A ``ShardedTensor`` of global ``shape`` from this rank's ``(view, offsets)`` pieces. Collective."""
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, init_from_local_shards
+
+    rank = torch.distributed.get_rank()
+    shards = [
+        Shard(
+            view, ShardMetadata(shard_offsets=at, shard_sizes=list(view.shape), placement=f"rank:{rank}/{view.device}")
+        )
+        for view, at in pieces
+    ]
+    return init_from_local_shards(shards, *shape)
+
+
 def unpacked_shards(tensor: torch.Tensor, pack: int, degree: int, dim: int = 0) -> torch.Tensor:
     """This rank's part of a split packed projection (a DTensor), addressed in the projection's own order.
 
     Returns a ``ShardedTensor`` whose local shards are *views* of the DTensor's local tensor, one per
     contiguous run along ``dim``: ``torch.distributed.checkpoint`` saves it as the unsplit tensor would be
     saved (so the checkpoint loads at any layout, or on one device) and loads into it in place. Collective."""
-    from torch.distributed._shard.metadata import ShardMetadata
-    from torch.distributed._shard.sharded_tensor import Shard, init_from_local_shards
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    mesh = getattr(tensor, "device_mesh")  # noqa: B009 (a DTensor's)
-    placements = getattr(tensor, "placements")  # noqa: B009
     shape = tuple(tensor.shape)
-    local = local_view(tensor)
-    _, offset = compute_local_shape_and_global_offset(torch.Size(shape), mesh, placements)
-    coordinate = mesh.get_coordinate() or []
-    # A copy that another rank also holds (replicated over a mesh dimension) is given by coordinate 0 only.
-    owner = all(c == 0 for c, pl in zip(coordinate, placements, strict=True) if pl.is_replicate())
-    rank = torch.distributed.get_rank()
-    shards = []
+    local, offset, owner = _owned_local(tensor)
+    pieces = []
     if owner and local.numel():
         for at, index, length in _unpacked_segments(offset[dim], local.shape[dim], shape[dim] // pack, pack, degree):
-            offsets, sizes = list(offset), list(local.shape)
-            offsets[dim], sizes[dim] = index, length
-            metadata = ShardMetadata(shard_offsets=offsets, shard_sizes=sizes, placement=f"rank:{rank}/{local.device}")
-            shards.append(Shard(local.narrow(dim, at, length), metadata))
-    return init_from_local_shards(shards, *shape)
+            pieces.append((local.narrow(dim, at, length), [index if d == dim else o for d, o in enumerate(offset)]))
+    return _sharded(pieces, shape)
 
 
 def merged_shards(tensors: list[torch.Tensor]) -> torch.Tensor:
     """DTensors split (or sharded) along dimension 0, as one tensor concatenated along it (each after the previous
     ones): a ``ShardedTensor`` whose local shards are views of the DTensors' local tensors (saved as the
     concatenation would be; loaded into in place). Collective."""
-    from torch.distributed._shard.metadata import ShardMetadata
-    from torch.distributed._shard.sharded_tensor import Shard, init_from_local_shards
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    rank = torch.distributed.get_rank()
-    shards, base = [], 0
+    pieces, base = [], 0
     for tensor in tensors:
-        mesh = getattr(tensor, "device_mesh")  # noqa: B009 (a DTensor's)
-        placements = getattr(tensor, "placements")  # noqa: B009
-        local = local_view(tensor)
-        _, offset = compute_local_shape_and_global_offset(tensor.shape, mesh, placements)
-        coordinate = mesh.get_coordinate() or []
-        owner = all(c == 0 for c, pl in zip(coordinate, placements, strict=True) if pl.is_replicate())
+        local, offset, owner = _owned_local(tensor)
         if owner and local.numel():
-            offsets = [base + offset[0], *offset[1:]]
-            where = f"rank:{rank}/{local.device}"
-            shards.append(Shard(local, ShardMetadata(shard_offsets=offsets, shard_sizes=list(local.shape),
-                                                     placement=where)))  # fmt: skip
+            pieces.append((local, [base + offset[0], *offset[1:]]))
         base += tensor.shape[0]
-    return init_from_local_shards(shards, base, *tensors[0].shape[1:])
+    return _sharded(pieces, (base, *tensors[0].shape[1:]))
 
 
 def saved_layout(
