@@ -14,10 +14,12 @@ process:
 Measured per rank: the model states at the second step (``model_state_bytes``: local shards of the split and
 FSDP2-sharded parameters, their gradients and AdamW's moments) against the planner's ``zero3_tp2`` row (exact);
 the bytes the tensor-parallel collectives send in one step, counted where DTensor issues them (its functional
-collectives, ring equivalent) against the planner's message sizes measured on fake tensors (exact); and the
-median step time over the steps after two warm-up steps. The speed figure is throughput (tokens per second over
-the job) against DDP's: at the same per-rank batch, DDP's 2 ranks train on two batches per step and one
-tensor-parallel pair on one. Rendered into docs/parallel.md by :func:`render_block`.
+collectives, ring equivalent) against the planner's message sizes measured on fake tensors (exact); the bytes
+that step's forward saves for backward (distinct storages, a DTensor's local one, weights excluded) against the
+planner's activations (fake tensors, split regions divided by the degree; within 10% asked); and the median step
+time over the steps after two warm-up steps. The speed figure is throughput (tokens per second over the job)
+against DDP's: at the same per-rank batch, DDP's 2 ranks train on two batches per step and one tensor-parallel
+pair on one. Rendered into docs/parallel.md by :func:`render_block`.
 """
 
 from __future__ import annotations
@@ -73,9 +75,11 @@ def count_tensor_parallel_bytes(degree: int) -> Any:
 
 def worker(layout: str, quick: bool, steps: int, out: str) -> None:
     import lightning as L
+    import torch
 
     from benchmarks.common import zero_benchmark_model
     from lightning_bigtrain.callbacks import RunReport
+    from lightning_bigtrain.functional.sharding import local_view
     from lightning_bigtrain.strategies import ZeroStrategy
 
     devices, degree = LAYOUTS[layout]
@@ -84,20 +88,39 @@ def worker(layout: str, quick: bool, steps: int, out: str) -> None:
     counted: dict[str, Any] = {}
 
     class OneStep(L.Callback):
-        """Count the tensor-parallel bytes of the third step (forward, backward and update)."""
+        """Count the tensor-parallel bytes of the third step (forward, backward and update) and the bytes its forward
+        saves for backward on this rank (distinct storages, a DTensor's local one, parameters excluded)."""
 
         context: Any = None
 
-        def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
-            if trainer.global_step == 2 and degree > 1:
+        def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+            if trainer.global_step != 2:
+                return
+            if degree > 1:
                 self.context = count_tensor_parallel_bytes(degree)
                 self.counts = self.context.__enter__()
+            weights = {local_view(p).untyped_storage().data_ptr() for p in pl_module.parameters()}
+            saved: dict[int, int] = {}
+
+            def pack(t: Any) -> Any:
+                storage = local_view(t).untyped_storage()
+                if storage.data_ptr() not in weights:
+                    saved[storage.data_ptr()] = storage.nbytes()
+                return t
+
+            self.saved = saved
+            self.hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+            self.hooks.__enter__()
 
         def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
             if self.context is not None:
                 self.context.__exit__(None, None, None)
                 counted.update(self.counts)
                 self.context = None
+            if getattr(self, "hooks", None) is not None:
+                self.hooks.__exit__(None, None, None)
+                self.hooks = None
+                counted["activations"] = float(sum(self.saved.values()))
 
     step_times: list[float] = []
 
@@ -121,10 +144,8 @@ def worker(layout: str, quick: bool, steps: int, out: str) -> None:
         trainer.fit(model, datamodule=data)
     import statistics
 
-    import torch
-
-    sent = torch.tensor([float(counted.get("bytes", 0.0)), float(counted.get("collectives", 0))])
-    gathered = trainer.strategy.all_gather(sent).reshape(-1, 2).tolist()
+    sent = torch.tensor([float(counted.get(k, 0.0)) for k in ("bytes", "collectives", "activations")])
+    gathered = trainer.strategy.all_gather(sent).reshape(-1, 3).tolist()
     plan = getattr(trainer.strategy, "tensor_parallel_plan", None)
     fraction = None
     if plan is not None:
@@ -136,6 +157,7 @@ def worker(layout: str, quick: bool, steps: int, out: str) -> None:
             "layout": layout, "psi": psi, "devices": devices, "degree": degree,
             "model_state_bytes_per_rank": report.report["model_state_bytes_per_rank"],
             "tp_bytes_per_rank": [row[0] for row in gathered], "tp_collectives_per_rank": [row[1] for row in gathered],
+            "activation_bytes_per_rank": [row[2] for row in gathered],
             "step_seconds_median": statistics.median(step_times[2:]), "step_seconds": step_times,
             "loss_end": report.report["train_loss_end"], "sharded_fraction": fraction,
         }))  # fmt: skip
@@ -158,7 +180,8 @@ def _planner(layout: str, quick: bool) -> dict[str, float]:
     rows = plan(model, devices=devices, accelerator="cpu", batch_shape=(BATCH, BLOCK), optimizer="adamw",
                 compression=False)  # fmt: skip
     row = rows["ddp" if degree == 1 else f"zero3_tp{degree}"]
-    out = {"model_state_bytes": row.model_states_bytes, "comm_bytes_per_step": row.comm_bytes_per_step}
+    out = {"model_state_bytes": row.model_states_bytes, "comm_bytes_per_step": row.comm_bytes_per_step,
+           "activation_bytes": row.activation_bytes}  # fmt: skip
     if degree > 1:
         est = estimate_tensor_parallel(model, degree, devices, torch.zeros(BATCH, BLOCK, dtype=torch.long))
         out["tp_bytes_per_step"] = est.tensor_parallel_bytes(4)
@@ -183,6 +206,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         measured = run_worker("benchmarks.parallel", ["--worker", layout, *flags])
         predicted = _planner(layout, args.quick)
         entry = {**measured, "planner": predicted}
+        if layout != "dp2_tp2":  # FSDP2's gathered weights are not parameters to the count: no figure there
+            entry["activations_over_planner"] = ratio(max(measured["activation_bytes_per_rank"]),
+                                                      predicted["activation_bytes"])  # fmt: skip
         if layout != "ddp":
             states = max(measured["model_state_bytes_per_rank"])
             entry["states_over_planner"] = ratio(states, predicted["model_state_bytes"])
@@ -198,6 +224,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "planner MiB": v["planner"]["model_state_bytes"] / 2**20,
             "TP MiB/step": max(v["tp_bytes_per_rank"]) / 2**20,
             "planner TP MiB": v["planner"].get("tp_bytes_per_step", 0.0) / 2**20,
+            "activations MiB": max(v["activation_bytes_per_rank"]) / 2**20,
+            "planner act. MiB": v["planner"]["activation_bytes"] / 2**20,
             "step ms": 1e3 * v["step_seconds_median"],
             "tokens/s": _throughput(v),
         }
@@ -231,9 +259,14 @@ def render_block(results_dir: Path = RESULTS_DIR) -> str:
             else f"{max(v['tp_bytes_per_rank']) / 2**20:.2f} ({p['tp_bytes_per_step'] / 2**20:.2f})"
         )
         step = "- | -" if name == "dp2_tp2" else f"{1e3 * v['step_seconds_median']:.0f} | {_throughput(v):.0f}"
+        act = (
+            "-"
+            if name == "dp2_tp2"
+            else f"{max(v['activation_bytes_per_rank']) / 2**20:.2f} ({p['activation_bytes'] / 2**20:.2f})"
+        )
         rows.append(
             f"| {name} | {max(v['model_state_bytes_per_rank']) / 2**20:.2f} ({p['model_state_bytes'] / 2**20:.2f}) "
-            f"| {tp} | {step} |"
+            f"| {act} | {tp} | {step} |"
         )
     tp2 = f["tp2"]
     return "\n".join(
@@ -244,13 +277,16 @@ def render_block(results_dir: Path = RESULTS_DIR) -> str:
             f"CPU over gloo. Under `tensor_parallel=2` the automatic split covers "
             f"**{100 * tp2['sharded_fraction']:.1f}%** of the blocks' parameters. Per rank, measured (planner):",
             "",
-            "| layout | model states MiB | tensor-parallel MiB sent per step | step ms | tokens/s |",
-            "|---|---|---|---|---|",
+            "| layout | model states MiB | activations MiB | tensor-parallel MiB sent per step | step ms | tokens/s |",
+            "|---|---|---|---|---|---|",
             *rows,
             "",
             f"Model states **x{tp2['states_over_planner']:.3f}** the planner's, tensor-parallel bytes "
             f"**x{tp2['tp_bytes_over_planner']:.3f}** (tp2); `dp2_tp2` x{f['dp2_tp2']['states_over_planner']:.3f} and "
-            f"x{f['dp2_tp2']['tp_bytes_over_planner']:.3f}. Throughput of tp2 "
+            f"x{f['dp2_tp2']['tp_bytes_over_planner']:.3f}. Activations (bytes the forward saves for backward, this "
+            f"rank's distinct storages, weights excluded) **x{tp2['activations_over_planner']:.2f}** the planner's at "
+            f"tp2 (DDP's x{f['ddp']['activations_over_planner']:.2f}); under `dp2_tp2` FSDP2's gathered weights are "
+            "not parameters to that count, so it has no activation figure. Throughput of tp2 "
             f"**x{tp2['throughput_over_ddp']:.2f}** DDP's on this 2-core CPU, at the same batch per data-parallel rank "
             "(DDP's two ranks train on two batches per step, the pair on one: here tensor parallelism buys memory, "
             "not speed; each rank computes half of every block but waits on four blocking all-reduces per block, and "

@@ -14,8 +14,10 @@ its split copy disagrees: the planner cannot run that check and assumes it passe
   is taken within a node (intra-node bandwidth).
 * **Data-parallel bytes**: ZeRO-3's (two all-gathers and a reduce-scatter per step) of the local shapes, over
   ``N / T`` ranks.
-* **Activations**: the unsplit model's (an upper bound: the split regions hold ``1/T`` of theirs; sequence
-  parallelism is not implemented).
+* **Activations**: measured on fake tensors as for the other rows, with what is saved inside a split region (from a
+  column split's output to the end of the row split that closes it: attention's heads, the MLP's hidden activation,
+  the row split's input) divided by ``T``; the rest (block inputs, norms, residuals, logits) is whole on every rank
+  (sequence parallelism is not implemented). With activation checkpointing, the unsplit model's (an upper bound).
 """
 
 from __future__ import annotations
@@ -132,6 +134,17 @@ class TensorParallelEstimate:
                 self.shard_numel_trainable += shard
                 self.tensors += 1
         self.messages = _messages(subject, self.plan, example) if example is not None else []
+        self.subject = subject
+
+    def activations(self, example: torch.Tensor, precision: str = "32-true") -> tuple[float, float, float]:
+        """Per-rank saved activations, as :func:`~lightning_bigtrain.planning.planner.measure_activations` measures
+        them, with what is saved inside the split regions (a column split's output to its row split's end) divided
+        by the degree: ``(plain, checkpointed, working set)``."""
+        from lightning_bigtrain.planning.planner import measure_activations
+
+        columns = [self.subject.get_submodule(n) for n, s in self.plan.splits.items() if s.style == "column"]
+        rows = [self.subject.get_submodule(n) for n, s in self.plan.splits.items() if s.style == "row"]
+        return measure_activations(self.subject, example, precision=precision, split=(columns, rows, self.degree))
 
     def tensor_parallel_bytes(self, element_bytes: int) -> float:
         """Bytes one rank sends per step in the tensor-parallel collectives (ring equivalent)."""

@@ -463,6 +463,7 @@ def measure_activations(
     checkpoint_blocks: Sequence[nn.Module] = (),
     precision: str = "32-true",
     weights_16bit: bool = False,
+    split: tuple[Sequence[nn.Module], Sequence[nn.Module], int] | None = None,
 ) -> tuple[float, float, float]:
     """Bytes the forward pass saves for backward (activations), measured on fake tensors: without and
     with activation checkpointing of ``checkpoint_blocks`` (each block then keeps only its input, and the
@@ -476,6 +477,10 @@ def measure_activations(
     unless ``weights_16bit`` (ZeRO-1/2 in mixed precision hold the trainable weights but those of normalization
     layers in 16 bits: no copies).
 
+    ``split=(columns, rows, T)``: tensor parallelism's per-rank share. What is saved between a column-split module's
+    output and the end of the row-split module that closes its region (attention's heads, the MLP's hidden
+    activation, the row module's input) is split ``T`` ways; the rest is whole on every rank.
+
     Parameters are not counted (they are model states). Raises on models that cannot run on fake tensors.
     """
     if precision not in _COMPUTE:
@@ -485,7 +490,7 @@ def measure_activations(
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
 
-    saved: dict[int, int] = {}
+    saved: dict[int, float] = {}
     param_storages: set[int] = set()
     per_block: list[float] = []
     block_inputs: list[float] = []
@@ -503,10 +508,13 @@ def measure_activations(
         # The storage object is cached on the tensor, and pack() keeps every saved tensor alive.
         return id(t.untyped_storage())
 
+    inside = [0]  # split regions open (tensor parallelism): a column module's output until its row module's end
+    share = 1 if split is None else split[2]
+
     def pack(t: torch.Tensor) -> torch.Tensor:
         key = storage_key(t)
         if key not in param_storages and key not in saved:
-            saved[key] = t.untyped_storage().nbytes()
+            saved[key] = t.untyped_storage().nbytes() / (share if inside[0] else 1)
         return t
 
     def total() -> float:
@@ -524,6 +532,17 @@ def measure_activations(
             per_block.append(total() - start[-1])
 
         hooks += [block.register_forward_pre_hook(before), block.register_forward_hook(after)]
+    if split is not None:
+        columns, rows, _ = split
+
+        def open_region(*_: Any) -> None:
+            inside[0] = 1
+
+        def close_region(*_: Any) -> None:
+            inside[0] = 0
+
+        hooks += [m.register_forward_hook(open_region) for m in columns]
+        hooks += [m.register_forward_hook(close_region) for m in rows]
     try:
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:
 
@@ -823,8 +842,15 @@ def _plan(model_or_num_params: nn.Module | int, cluster: Cluster, workload: Work
             sent += est.tensor_parallel_bytes(element)
             seconds += est.tensor_parallel_seconds(element, intra, latency)
             local_unit = largest_unit / degree  # an upper bound: the split part of a block is 1/T
-            transient = (2 * local_unit * p_bytes + local_unit * g_bytes if dp > 1 else 0.0) + backward_extra
-            row = PlanRow(name, p_dev, g_dev, s_dev, activations, transient, 0.0, sent, seconds, 0.0, fits=False)
+            row_activations, row_extra = activations, backward_extra
+            if example_tp is not None and not activation_checkpointing:
+                try:
+                    plain_tp, _, working_tp = est.activations(example_tp, precision)
+                    row_activations, row_extra = plain_tp, working_tp - plain_tp
+                except Exception as err:  # keep the unsplit model's (an upper bound)
+                    notes.append(f"{name}: activations of the unsplit model ({type(err).__name__}: {err})")
+            transient = (2 * local_unit * p_bytes + local_unit * g_bytes if dp > 1 else 0.0) + row_extra
+            row = PlanRow(name, p_dev, g_dev, s_dev, row_activations, transient, 0.0, sent, seconds, 0.0, fits=False)
             rows[name] = PlanRow(**{**row.__dict__, "fits": row.peak_bytes <= memory})
             if not est.messages:
                 notes.append(f"{name}: tensor-parallel bytes need batch_shape (left out)")

@@ -46,3 +46,11 @@ def test_a_recommended_tensor_parallel_row_gives_a_trainer_config_fit_reads():
     rows = plan(big, devices=8, num_nodes=2, inter_node_bandwidth="25Gbps", batch_shape=(2, 256), compression=False)
     config = rows.trainer_config()
     assert config["strategy"] == strategy_config(str(rows.recommendation))
+
+
+def test_tensor_parallel_activations_split_the_regions_between_column_and_row_splits():
+    model = CharGPT(n_layer=2, n_head=4, n_embd=64, block_size=32)
+    rows = plan(model, devices=2, batch_shape=(4, 32), accelerator="cpu", compression=False)
+    whole, split = rows["zero3"].activation_bytes, rows["zero3_tp2"].activation_bytes
+    # Attention's heads and the MLP's hidden activation halve; block inputs, norms and logits do not.
+    assert whole / 2 < split < whole * 0.8, (whole, split)
