@@ -31,6 +31,7 @@ a guess.
 from __future__ import annotations
 
 import copy
+import functools
 import re
 from collections import Counter
 from collections.abc import Iterable
@@ -264,6 +265,12 @@ def _pack_rows_(module: nn.Module, pack: int, degree: int) -> None:
 
 
 def _conv1d_style(column: bool) -> Any:
+    """A ColwiseParallel / RowwiseParallel for Hugging Face's ``Conv1D`` (see :func:`_conv1d_style_class`)."""
+    return _conv1d_style_class(column)()
+
+
+@functools.cache
+def _conv1d_style_class(column: bool) -> Any:
     """ColwiseParallel / RowwiseParallel for Hugging Face's ``Conv1D``, whose weight is stored (in, out): a column
     split cuts the weight's dimension 1 and the bias, a row split the weight's dimension 0 (bias replicated)."""
     from functools import partial
@@ -293,7 +300,7 @@ def _conv1d_style(column: bool) -> Any:
                 partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
             )
 
-    return Conv1DStyle()
+    return Conv1DStyle
 
 
 def _apply_splits(root: nn.Module, splits: dict[str, Split], attributes: dict[str, dict[str, int]], mesh) -> None:

@@ -279,12 +279,13 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         if self._flat_engine:
             self._setup_flat(trainer)
             return
-        if not is_fully_sharded(self.model) and not self._user_split():
-            # Not sharded by the user's configure_model, nor by an earlier validate/fit: shard here.
+        if not is_fully_sharded(self.model):
+            # Not sharded by the user's configure_model, nor by an earlier validate/fit: shard here (after the
+            # automatic split, unless configure_model split the module itself).
             self.model = self.precision_plugin.convert_module(self.model)
             self._check_compression()
             self.model_to_device()
-            if self.tensor_parallel > 1:
+            if self.tensor_parallel > 1 and not self._user_split():
                 self._split_tensors()
             if self.device_mesh["data_parallel"].size() > 1 or self.tensor_parallel == 1:
                 shard_module_(
@@ -327,7 +328,15 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         self._rng_seed = int(seed.item())
         plan = apply_tensor_parallel_(self.model, mesh)
         self.tensor_parallel_plan = plan
-        if plan.replicated:
+        if not plan.splits:
+            warn_once(
+                f"`ZeroStrategy(tensor_parallel={self.tensor_parallel})` found nothing to split in "
+                f"{type(self.model).__name__} (no repeated transformer blocks, no vocabulary embedding): every "
+                "tensor-parallel rank computes the whole model on the same data. Use tensor_parallel=1 (ZeRO across "
+                "all ranks), or split the module yourself in `configure_model`.",
+                NoEffectWarning,
+            )
+        elif plan.replicated:
             reasons = "; ".join(f"{name}: {why}" for name, why in plan.replicated.items())
             warn_once(
                 f"`ZeroStrategy(tensor_parallel={self.tensor_parallel})` left these modules whole (replicated on "
@@ -414,9 +423,17 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         """Split packed projections (q/k/v) are held reordered by rank; checkpoints keep their own order, so
         that they load at any tensor-parallel degree, without tensor parallelism, or consolidated."""
         plan = self.tensor_parallel_plan
-        if plan is None or not (plan.packed() or plan.swapped_attention):
+        if not self._layout_differs:
             return state
+        assert plan is not None
         return saved_layout(state, plan.packed(), plan.degree, self._merged())
+
+    @property
+    def _layout_differs(self) -> bool:
+        """Whether the split module holds some parameters otherwise than the module as written (packed q/k/v
+        reordered, nn.MultiheadAttention swapped): its checkpoints then go through :meth:`_saved_layout`."""
+        plan = self.tensor_parallel_plan
+        return plan is not None and bool(plan.packed() or plan.swapped_attention)
 
     def _merged(self) -> dict[str, list[str]]:
         """A swapped ``nn.MultiheadAttention``'s q/k/v projections, saved as torch's packed ``in_proj``."""
@@ -529,8 +546,7 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
     def _load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None) -> dict[str, Any]:
         # What the name points to, once committed (an uncommitted or damaged one is skipped with a warning).
         location = str(self.broadcast(load_path(str(checkpoint_path)) if self.is_global_zero else None))
-        plan = self.tensor_parallel_plan
-        packed = plan is not None and bool(plan.packed() or plan.swapped_attention)
+        packed = self._layout_differs
         if not self._flat_engine and not _is_url(location) and not packed:
             return super().load_checkpoint(location, weights_only=weights_only)
         if packed and not _is_url(location) and not Path(location).is_dir():

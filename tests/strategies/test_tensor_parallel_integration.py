@@ -278,3 +278,47 @@ def test_tp2_composes_with_bf16_mixed_and_pure_bf16():
         for name, v in r.items():
             assert v["replicated"] == {}, name
             assert len(v["losses"]) == 4 and v["losses"][-1] < v["losses"][0], (name, v["losses"])
+
+
+class SplitsItself(CharGPT):
+    """A user's model that splits its MLPs itself in ``configure_model`` (the strategy must not split it again)."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        for block in self.blocks:
+            parallelize_module(block.mlp, self.device_mesh["tensor_parallel"], {"0": ColwiseParallel(),
+                                                                                 "2": RowwiseParallel()})  # fmt: skip
+
+
+def _own_split_and_nothing_to_split(rank: int) -> dict[str, Any]:
+    import warnings
+
+    from lightning_bigtrain.data import FashionMNISTDataModule
+    from lightning_bigtrain.models import FashionCNN
+
+    out: dict[str, Any] = {}
+    L.seed_everything(0, verbose=False)
+    model = SplitsItself(block_size=32, n_layer=2, n_head=4, n_embd=64)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=ZeroStrategy(stage=3, tensor_parallel=2), max_steps=2,
+                        limit_val_batches=0, enable_checkpointing=False, **_QUIET)  # fmt: skip
+    trainer.fit(model, datamodule=ShakespeareDataModule(block_size=32, batch_size=8, subset=256))
+    out["own_plan"] = trainer.strategy.tensor_parallel_plan
+    out["qkv_split"] = hasattr(model.blocks[0].attn.qkv.weight, "placements")
+    out["mlp_split"] = hasattr(model.blocks[0].mlp[0].weight, "placements")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = L.Trainer(accelerator="cpu", devices=2, strategy=ZeroStrategy(stage=3, tensor_parallel=2),
+                            max_steps=1, limit_val_batches=0, enable_checkpointing=False, **_QUIET)  # fmt: skip
+        trainer.fit(FashionCNN(), datamodule=FashionMNISTDataModule(batch_size=16, subset=64))
+    out["warnings"] = [str(w.message) for w in caught if "found nothing to split" in str(w.message)]
+    out["all"] = [str(w.message)[:100] for w in caught]
+    return out
+
+
+def test_a_users_own_split_is_respected_and_a_model_with_nothing_to_split_is_warned_about():
+    results = run_on_ranks(_own_split_and_nothing_to_split, init_process_group=False)
+    for r in results:
+        assert r["own_plan"] is None and r["mlp_split"] and not r["qkv_split"]
+    warned = results[0]["warnings"]  # warnings are given on global rank 0
+    assert warned and "tensor_parallel=1" in warned[0], results[0]["all"]
