@@ -10,13 +10,14 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_bigtrain.strategies.auto import register_auto, zero_strategy
 from lightning_bigtrain.strategies.compressed_ddp import CompressedDDPStrategy
 from lightning_bigtrain.strategies.deepspeed_zero import DeepSpeedZeroStrategy
-from lightning_bigtrain.strategies.options import DeepSpeedOptions, ZeroOptions
+from lightning_bigtrain.strategies.options import DeepSpeedOptions, PipelineOptions, ZeroOptions
 from lightning_bigtrain.strategies.zero import ZeroStrategy
 
 __all__ = [
     "CompressedDDPStrategy",
     "DeepSpeedOptions",
     "DeepSpeedZeroStrategy",
+    "PipelineOptions",
     "ZeroOptions",
     "ZeroStrategy",
     "register_all",

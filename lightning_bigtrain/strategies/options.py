@@ -20,6 +20,8 @@ __all__ = [
     "STAGES",
     "DeepSpeedOptions",
     "Engine",
+    "PipelineOptions",
+    "PipelineSchedule",
     "StartMethod",
     "ZeroOptions",
     "check_options",
@@ -30,6 +32,7 @@ __all__ = [
 
 StartMethod = Literal["auto", "popen", "spawn", "fork", "forkserver"]
 Engine = Literal["torch", "deepspeed", "auto"]
+PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
 STAGES = (1, 2, 3)
 
 
@@ -150,6 +153,63 @@ class ZeroOptions:
             raise ValueError(
                 f"`ZeroOptions(start_method={self.start_method!r})`: choose one of {', '.join(get_args(StartMethod))}."
             )
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineOptions:
+    """How :class:`ZeroStrategy` runs a pipeline (``pipeline_parallel > 1``). See ``docs/parallel.md``.
+
+    Attributes:
+        schedule: ``"gpipe"`` (all forwards, then all backwards: activations of every micro-batch held),
+            ``"1f1b"`` (one forward, one backward in the steady state: at most ``pipeline_parallel`` micro-batches'
+            activations held) or ``"interleaved_1f1b"`` (each rank holds ``stages_per_rank`` stages, spread round
+            the ranks: a smaller bubble for more messages). torch.distributed.pipelining's schedules.
+        microbatches: How many micro-batches each batch is cut into (the batch size must be divisible by it);
+            ``None``: twice the number of pipeline ranks. More micro-batches shrink the bubble
+            (``(p - 1) / (v m + p - 1)``) and the activations per micro-batch.
+        split_points: The index of the first block of each stage after the first (``stages - 1`` increasing
+            indices); ``None`` balances the blocks' parameter counts.
+        stages_per_rank: Stages each rank holds; ``"interleaved_1f1b"`` only (then at least 2; default 2).
+    """
+
+    schedule: PipelineSchedule = "1f1b"
+    microbatches: int | None = None
+    split_points: tuple[int, ...] | None = None
+    stages_per_rank: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.schedule not in get_args(PipelineSchedule):
+            raise ValueError(
+                f"`PipelineOptions(schedule={self.schedule!r})`: choose one of {', '.join(get_args(PipelineSchedule))}."
+            )
+        m = self.microbatches
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+            raise ValueError(f"`PipelineOptions(microbatches={m!r})`: give an integer >= 1, or None (2 x ranks).")
+        v = self.stages_per_rank
+        if v is not None:
+            if self.schedule != "interleaved_1f1b" and v != 1:
+                raise ValueError(
+                    f"`PipelineOptions(stages_per_rank={v}, schedule={self.schedule!r})`: several stages per rank "
+                    "need schedule='interleaved_1f1b'."
+                )
+            if self.schedule == "interleaved_1f1b" and (not isinstance(v, int) or v < 2):
+                raise ValueError(
+                    f"`PipelineOptions(stages_per_rank={v!r}, schedule='interleaved_1f1b')`: give 2 or more "
+                    "(1 is schedule='1f1b')."
+                )
+        if self.split_points is not None:
+            object.__setattr__(self, "split_points", tuple(self.split_points))
+
+    @property
+    def virtual_stages(self) -> int:
+        """Stages per rank: ``stages_per_rank``, or 2 for the interleaved schedule, else 1."""
+        if self.stages_per_rank is not None:
+            return self.stages_per_rank
+        return 2 if self.schedule == "interleaved_1f1b" else 1
+
+    def microbatches_for(self, ranks: int) -> int:
+        """The micro-batch count for a pipeline of ``ranks`` ranks."""
+        return self.microbatches if self.microbatches is not None else 2 * ranks
 
 
 def resolve_engine(engine: str, *, stage: int = 3, **kwargs: Any) -> str:

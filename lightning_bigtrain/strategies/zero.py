@@ -41,6 +41,7 @@ from lightning_bigtrain.engines.compression import GradientCompression
 from lightning_bigtrain.engines.flat_shard import FlatGradScaler, FlatShardedOptimizer, norm_parameters
 from lightning_bigtrain.functional.compression import Cast, Compressor
 from lightning_bigtrain.functional.memory import model_state_bytes
+from lightning_bigtrain.functional.pipeline import PipelinePlan, install_pipeline_, plan_pipeline
 from lightning_bigtrain.functional.rng import seed_all_
 from lightning_bigtrain.functional.sharding import (
     CommCounter,
@@ -65,7 +66,14 @@ from lightning_bigtrain.strategies._compression import (
     resolve_compression,
 )
 from lightning_bigtrain.strategies._fault import FaultTolerantStrategyMixin
-from lightning_bigtrain.strategies.options import DeepSpeedOptions, ZeroOptions, check_options, check_stage
+from lightning_bigtrain.strategies._pipeline import PipelineRunner
+from lightning_bigtrain.strategies.options import (
+    DeepSpeedOptions,
+    PipelineOptions,
+    ZeroOptions,
+    check_options,
+    check_stage,
+)
 from lightning_bigtrain.warnings import BigtrainWarning, NoEffectWarning, warn_once
 
 if TYPE_CHECKING:
@@ -161,6 +169,8 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         options: ZeroOptions | None = None,
         deepspeed: DeepSpeedOptions | None = None,
         tensor_parallel: int = 1,
+        pipeline_parallel: int = 1,
+        pipeline: PipelineOptions | None = None,
     ) -> None:
         if engine != "torch" or deepspeed is not None:
             given = f"engine={engine!r}" if engine != "torch" else "deepspeed=DeepSpeedOptions(...)"
@@ -187,6 +197,8 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
             raise ValueError(f"`ZeroStrategy(min_wrap_params={min_wrap_params})`: must be >= 1.")
         compressor = resolve_compression(compression, "ZeroStrategy")
         _check_tensor_parallel(tensor_parallel, stage, offload_optimizer or offload_params, compressor)
+        pipeline = _check_pipeline(pipeline_parallel, pipeline, tensor_parallel, stage,
+                                   offload_optimizer or offload_params, compressor, options)  # fmt: skip
         if compressor is not None and stage > 1 and not isinstance(compressor, Cast):
             raise ValueError(
                 f"`ZeroStrategy(stage={stage}, compression={compressor!r})` is not supported: at stage {stage} each "
@@ -204,6 +216,10 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         self.stage = stage
         self.tensor_parallel = tensor_parallel
         self.tensor_parallel_plan: TensorParallelPlan | None = None
+        self.pipeline_parallel = pipeline_parallel
+        self.pipeline_options = pipeline
+        self.pipeline_plan: PipelinePlan | None = None
+        self._pipeline: PipelineRunner | None = None
         self.offload_optimizer = offload_optimizer or offload_params
         self.offload_params = offload_params
         self.min_wrap_params = min_wrap_params
@@ -233,6 +249,14 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
                 stage=3,
                 tensor_parallel=degree,
             )
+            strategy_registry.register(
+                f"bigtrain_zero3_pp{degree}",
+                cls,
+                description=f"{degree} pipeline stages (1F1B schedule), ZeRO-3 across pipeline replicas",
+                override=True,
+                stage=3,
+                pipeline_parallel=degree,
+            )
 
     @override
     def _configure_launcher(self) -> None:
@@ -251,15 +275,38 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
     def setup_environment(self) -> None:
         # A (data x tensor) mesh: tensor-parallel groups of neighbouring ranks, ZeRO across the groups.
         world = self.num_nodes * self.num_processes
-        if world % self.tensor_parallel:
+        model_parallel = self.tensor_parallel * self.pipeline_parallel
+        if world % model_parallel:
+            given = ", ".join(f"{k}={v}" for k, v in (("tensor_parallel", self.tensor_parallel),
+                              ("pipeline_parallel", self.pipeline_parallel)) if v > 1)  # fmt: skip
             raise ValueError(
-                f"`ZeroStrategy(tensor_parallel={self.tensor_parallel})` needs a world size it divides; this run "
-                f"has {world} processes (num_nodes x devices). Choose tensor_parallel from "
+                f"`ZeroStrategy({given})` needs a world size their product divides; this run "
+                f"has {world} processes (num_nodes x devices). Choose degrees whose product is one of "
                 f"{[d for d in range(1, world + 1) if world % d == 0]}, or change `devices`."
             )
-        self._data_parallel_size = world // self.tensor_parallel
+        self._data_parallel_size = world // model_parallel
         self._tensor_parallel_size = self.tensor_parallel
-        super().setup_environment()
+        if self.pipeline_parallel == 1:
+            super().setup_environment()
+            return
+        if self._data_parallel_size > 1:
+            raise ValueError(
+                f"`ZeroStrategy(pipeline_parallel={self.pipeline_parallel})` on {world} processes would replicate the "
+                f"pipeline {self._data_parallel_size} times; data parallelism across pipelines is not supported yet. "
+                f"Use devices x num_nodes = {model_parallel}."
+            )
+        # A (pipeline x data x tensor) mesh; Lightning's own is 2-D.
+        from torch.distributed.device_mesh import init_device_mesh
+
+        super(ModelParallelStrategy, self).setup_environment()
+        self._setup_distributed()
+        self._device_mesh = init_device_mesh(
+            self.root_device.type,
+            (self.pipeline_parallel, self._data_parallel_size, self.tensor_parallel),
+            mesh_dim_names=("pipeline_parallel", "data_parallel", "tensor_parallel"),
+        )
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = self._device_mesh
 
     @override
     def setup(self, trainer: L.Trainer) -> None:
@@ -276,6 +323,9 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         _materialize_distributed_module(self.model, self.root_device)
         self._fix_host_allocator(self.root_device.type == "cpu" or self.offload_optimizer)
         self._rng_seed = torch.initial_seed()  # replaced by the checkpoint's on resume
+        if self.pipeline_parallel > 1:
+            self._setup_pipeline(trainer)
+            return
         if self._flat_engine:
             self._setup_flat(trainer)
             return
@@ -309,6 +359,69 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
             _clip_by_global_norm(self.precision_plugin)
         if trainer.state.fn == TrainerFn.FITTING and not self.offload_optimizer:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _setup_pipeline(self, trainer: L.Trainer) -> None:
+        """Every rank starts from the first stage's weights and seed; the block container is cut into stages
+        (this rank keeps its own blocks); the optimizers are built over what this rank holds."""
+        assert self.model is not None and self.pipeline_options is not None
+        module = self.lightning_module
+        assert module is not None
+        if not module.automatic_optimization:
+            raise ValueError(
+                f"`ZeroStrategy(pipeline_parallel={self.pipeline_parallel})` runs the backward pass inside the "
+                "pipeline schedule: manual optimization (`automatic_optimization = False`) is not supported."
+            )
+        plugin = self.precision_plugin
+        if isinstance(plugin, MixedPrecision) and plugin.scaler is not None:
+            raise ValueError(
+                f"`ZeroStrategy(pipeline_parallel={self.pipeline_parallel})` with fp16 loss scaling is not supported "
+                "(the schedule's backward runs unscaled); use precision='bf16-mixed'."
+            )
+        self.model = plugin.convert_module(self.model)
+        self.model_to_device()
+        mesh = self.device_mesh["pipeline_parallel"]
+        group = mesh.get_group()
+        first = torch.distributed.get_global_rank(group, 0)
+        for tensor in self.model.state_dict(keep_vars=True).values():
+            torch.distributed.broadcast(tensor.data, src=first, group=group)
+        seed = torch.tensor([torch.initial_seed() % 2**62], dtype=torch.int64, device=self.root_device)
+        torch.distributed.broadcast(seed, src=first, group=group)
+        seed_all_(int(seed.item()))
+        self._rng_seed = int(seed.item())
+        options = self.pipeline_options
+        ranks = self.pipeline_parallel
+        _check_microbatches(options, ranks)
+        plan = plan_pipeline(self.model, ranks * options.virtual_stages, options.split_points)
+        if plan.others:
+            warn_once(
+                f"`ZeroStrategy(pipeline_parallel={ranks})` cut `{plan.container}` into stages and left "
+                f"{', '.join(f'`{n}`' for n in plan.others)} whole on every stage (the pipeline follows one "
+                "container of blocks; code outside it runs on every stage).",
+                BigtrainWarning,
+            )
+        rank = mesh.get_local_rank()
+        local = [s for s in range(plan.stages) if s % ranks == rank]
+        blocks = install_pipeline_(self.model, plan, local)
+        self.pipeline_plan = plan
+        self._pipeline = PipelineRunner(module, plan, blocks, group, options, self.root_device)
+        self._sharded_root = False
+        self._fsdp_comm = None
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        runner = self._pipeline
+        plugin = self.precision_plugin
+        plugin.clip_grad_by_norm = lambda optimizer, clip_val: runner.clip_grad_norm_(  # type: ignore[method-assign]
+            plugin.main_params(optimizer), float(clip_val)
+        )
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    @property
+    def pipeline_bubble(self) -> float:
+        """The last training batch's pipeline bubble, from the schedule's measured per-action times (NaN before)."""
+        return math.nan if self._pipeline is None else self._pipeline.bubble()
 
     def _user_split(self) -> bool:
         """Whether ``configure_model`` already split the module over the tensor-parallel mesh (respected)."""
@@ -417,6 +530,11 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         inner = getattr(optimizer, "_optimizer", optimizer)
         if isinstance(inner, FlatShardedOptimizer):
             return inner.state_dict()  # DTensor partitions: DCP writes each rank's slice
+        if self._pipeline is not None:
+            from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+            assert self.model is not None
+            return get_optimizer_state_dict(self.model, inner, options=_pipeline_state_options())
         return self._saved_layout(super().optimizer_state(optimizer))
 
     def _saved_layout(self, state: dict[str, Any]) -> dict[str, Any]:
@@ -547,8 +665,15 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         # What the name points to, once committed (an uncommitted or damaged one is skipped with a warning).
         location = str(self.broadcast(load_path(str(checkpoint_path)) if self.is_global_zero else None))
         packed = self._layout_differs
-        if not self._flat_engine and not _is_url(location) and not packed:
+        pipelined = self._pipeline is not None
+        if not self._flat_engine and not _is_url(location) and not packed and not pipelined:
             return super().load_checkpoint(location, weights_only=weights_only)
+        if pipelined and not Path(location).is_dir() and not _is_url(location):
+            raise ValueError(
+                f"`ZeroStrategy(pipeline_parallel={self.pipeline_parallel})` cannot resume from the single file "
+                f"{location!r}: resume from a sharded checkpoint folder, or load the weights into the module before "
+                "`fit` (`model.load_state_dict(torch.load(path)['state_dict'])`): it is cut into stages at setup."
+            )
         if packed and not _is_url(location) and not Path(location).is_dir():
             raise ValueError(
                 f"`ZeroStrategy(tensor_parallel={self.tensor_parallel})` cannot resume from the single file "
@@ -568,12 +693,13 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         assert self.model is not None
         # Targets to load into: this rank's shards, laid out as they were saved.
         state: dict[str, Any] = {"state_dict": get_model_state_dict(self.model)}
+        optim_options = _pipeline_state_options() if pipelined else None
         for i, optimizer in enumerate(self.optimizers):
             if isinstance(optimizer, FlatShardedOptimizer):
                 optimizer.init_state()
                 state[f"optimizer_{i}"] = optimizer.state_dict()
             else:
-                state[f"optimizer_{i}"] = get_optimizer_state_dict(self.model, optimizer)
+                state[f"optimizer_{i}"] = get_optimizer_state_dict(self.model, optimizer, options=optim_options)
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
         reader = FsspecReader(location) if _is_url(location) else dcp.FileSystemReader(location)
@@ -589,7 +715,7 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
             if isinstance(optimizer, FlatShardedOptimizer):
                 optimizer.load_state_dict(state[f"optimizer_{i}"])
             else:
-                set_optimizer_state_dict(self.model, optimizer, state[f"optimizer_{i}"])
+                set_optimizer_state_dict(self.model, optimizer, state[f"optimizer_{i}"], options=optim_options)
         with fsspec.open(f"{location.rstrip('/')}/{_METADATA_FILENAME}", "rb") as f:
             return torch.load(f, weights_only=bool(weights_only))
 
@@ -665,24 +791,36 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self.options.broadcast_buffers and self.world_size > 1:
+        if self.options.broadcast_buffers and self.world_size > 1 and self._pipeline is None:
             self._broadcast_buffers()
         assert self.precision_plugin is not None
         with self.precision_plugin.train_step_context():
+            if self._pipeline is not None:
+                return self._pipeline.train_step("training_step", args[0], (*args[1:], *kwargs.values()))
             return self._step("training_step", *args, **kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.val_step_context():
+            if self._pipeline is not None:
+                return self._pipeline.eval_step("validation_step", args[0], (*args[1:], *kwargs.values()))
             return self._step("validation_step", *args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.test_step_context():
+            if self._pipeline is not None:
+                return self._pipeline.eval_step("test_step", args[0], (*args[1:], *kwargs.values()))
             return self._step("test_step", *args, **kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is not None:
+            raise ValueError(
+                f"`ZeroStrategy(pipeline_parallel={self.pipeline_parallel})`: predict is not supported (its outputs "
+                "exist on the last stage only). Consolidate the checkpoint (`bigtrain consolidate`) and predict on "
+                "one device, or with tensor_parallel."
+            )
         with self.precision_plugin.predict_step_context():
             return self._step("predict_step", *args, **kwargs)
 
@@ -705,7 +843,7 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         # DCP saves one copy of replicated (non-sharded) tensors from an arbitrary rank: make it rank 0's.
-        if self.options.broadcast_buffers and self.world_size > 1:
+        if self.options.broadcast_buffers and self.world_size > 1 and self._pipeline is None:
             self._broadcast_buffers()
         return self._saved_layout(super().lightning_module_state_dict())
 
@@ -748,7 +886,23 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
                                step=trainer.global_step)  # fmt: skip
         self._logged_comm_bytes = sent
 
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self._pipeline is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        # The schedule ran every micro-batch's backward inside the step; Lightning's hooks around it still run.
+        module = self.lightning_module
+        assert module is not None
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        self._pipeline.add_pending_grads()
+        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
     def _optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        if self._pipeline is not None:
+            closure = _then(closure, self._pipeline.sync_replicated_grads)
         if self.tensor_parallel > 1 and not self._sharded_root:
             model = self.model
             assert model is not None
@@ -795,6 +949,10 @@ class _FullWeightsLauncher(_MultiProcessingLauncher):
         if isinstance(strategy, ZeroStrategy):
             # The main process holds the module as written: packed q/k/v in their own order, torch's attention.
             state_dict = strategy._saved_layout(state_dict)
+            if strategy._pipeline is not None:  # each stage holds its own blocks: gather them all
+                parts: list[Any] = [None] * strategy.world_size
+                torch.distributed.all_gather_object(parts, state_dict)
+                state_dict = {k: v for part in parts for k, v in part.items()}
         if self._strategy.local_rank != 0:
             return None
         weights_path = None
@@ -821,6 +979,67 @@ def _check_tensor_parallel(degree: Any, stage: int, offload: bool, compressor: C
         raise ValueError(
             f"`ZeroStrategy(tensor_parallel={degree}, {given}=...)` is not supported yet: drop `{given}` or "
             "tensor_parallel."
+        )
+
+
+def _pipeline_state_options() -> Any:
+    """Optimizer states keyed per parameter (``param_groups`` too): each stage holds other parameters, so one
+    ``param_groups`` list per rank would collide in the shared checkpoint."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=True, cpu_offload=True)
+
+
+def _check_pipeline(
+    degree: Any,
+    options: PipelineOptions | None,
+    tensor_parallel: int,
+    stage: int,
+    offload: bool,
+    compressor: Compressor | None,
+    zero_options: ZeroOptions,
+) -> PipelineOptions | None:
+    """Validate ``pipeline_parallel`` and its options; returns the options in force (None without a pipeline)."""
+    if not isinstance(degree, int) or isinstance(degree, bool) or degree < 1:
+        raise ValueError(
+            f"`ZeroStrategy(pipeline_parallel={degree!r})`: must be an integer >= 1 (1: no pipeline parallelism)."
+        )
+    if options is not None and not isinstance(options, PipelineOptions):
+        raise TypeError(f"`ZeroStrategy(pipeline={options!r})`: pass a `PipelineOptions(...)`.")
+    if degree == 1:
+        if options is not None:
+            raise ValueError(
+                "`ZeroStrategy(pipeline=PipelineOptions(...))` has no effect without `pipeline_parallel` >= 2."
+            )
+        return None
+    refused = [
+        (tensor_parallel > 1, f"tensor_parallel={tensor_parallel}", "tensor_parallel"),
+        (stage != 3, f"stage={stage}", "stage (use 3)"),
+        (offload, "offload_optimizer/offload_params", "offloading"),
+        (compressor is not None, "compression", "compression"),
+        (not zero_options.save_distributed_checkpoint, "save_distributed_checkpoint=False", "the one-file save"),
+    ]
+    for bad, given, drop in refused:
+        if bad:
+            raise ValueError(
+                f"`ZeroStrategy(pipeline_parallel={degree}, {given})` is not supported yet: drop {drop}, or "
+                "pipeline_parallel."
+            )
+    return options if options is not None else PipelineOptions()
+
+
+def _check_microbatches(options: PipelineOptions, ranks: int) -> None:
+    """The schedules' own constraints on the micro-batch count, named with the fix."""
+    m = options.microbatches_for(ranks)
+    if options.schedule == "1f1b" and m < ranks:
+        raise ValueError(
+            f"`PipelineOptions(schedule='1f1b', microbatches={m})` needs at least as many micro-batches as pipeline "
+            f"ranks ({ranks}); raise microbatches or use schedule='gpipe'."
+        )
+    if options.schedule == "interleaved_1f1b" and m % max(1, m // ranks):
+        raise ValueError(
+            f"`PipelineOptions(schedule='interleaved_1f1b', microbatches={m})`: the interleaved schedule runs "
+            f"rounds of {ranks} micro-batches; use a multiple of {ranks}."
         )
 
 
