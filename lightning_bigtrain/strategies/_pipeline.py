@@ -150,7 +150,7 @@ class PipelineRunner:
         try:
             output = step["fn"](step["microbatches"][mb], *step["rest"])
         except StageOutput as out:
-            return out.hidden
+            return out.hidden.contiguous()  # sent as is: a transposed view (batch_first attention) cannot be
         finally:
             self.blocks.run = None
         if run.calls == 0:
@@ -236,8 +236,9 @@ class PipelineRunner:
                 stages.append(stage)
             kind = self.options.schedule
             loss_fn = self._scaled
+            schedule: Any
             if kind == "interleaved_1f1b":
-                schedule = ScheduleInterleaved1F1B(stages, self.microbatches, loss_fn=loss_fn, scale_grads=False)
+                schedule = ScheduleInterleaved1F1B(list(stages), self.microbatches, loss_fn=loss_fn, scale_grads=False)
             else:
                 cls = ScheduleGPipe if kind == "gpipe" else Schedule1F1B
                 schedule = cls(stages[0], self.microbatches, loss_fn=loss_fn, scale_grads=False)
@@ -362,33 +363,32 @@ class PipelineRunner:
         has = torch.tensor([p.grad is not None for p in self.replicated], dtype=torch.int32, device=self.device)
         torch.distributed.all_reduce(has, op=torch.distributed.ReduceOp.MAX, group=self.group)
         params = [p for p, h in zip(self.replicated, has.tolist(), strict=True) if h]
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
         if not params:
             return
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
         torch.distributed.all_reduce(flat, group=self.group)
         offset = 0
-        for p in params:
-            n = p.numel()
-            p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
+        for p, grad in zip(params, grads, strict=True):
+            n = grad.numel()
+            grad.copy_(flat[offset : offset + n].view_as(grad))
+            p.grad = grad
             offset += n
 
     def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
         """Clip by the 2-norm over every stage's gradients (each replicated gradient counted once: they are equal
         on every stage after :meth:`sync_replicated_grads`)."""
-        params = [p for p in parameters if p.grad is not None]
         owned = {id(p) for p in self.owned}
-        own = [p.grad for p in params if id(p) in owned]
-        rep = [p.grad for p in params if id(p) not in owned]
+        pairs = [(p, p.grad) for p in parameters if p.grad is not None]
+        own = [g for p, g in pairs if id(p) in owned]
+        rep = [g for p, g in pairs if id(p) not in owned]
         local = sum((g.detach().float().pow(2).sum() for g in own), torch.zeros((), device=self.device))
         torch.distributed.all_reduce(local, group=self.group)
         shared = sum((g.detach().float().pow(2).sum() for g in rep), torch.zeros((), device=self.device))
         total = (local + shared).sqrt()
         coefficient = (max_norm / (total + 1e-6)).clamp(max=1.0)
-        for p in params:
-            p.grad.detach().mul_(coefficient.to(p.grad.dtype))
+        for _, g in pairs:
+            g.detach().mul_(coefficient.to(g.dtype))
         return total
 
     # --- the bubble --------------------------------------------------------------------------------------------

@@ -412,9 +412,11 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         self.setup_precision_plugin()
         runner = self._pipeline
         plugin = self.precision_plugin
-        plugin.clip_grad_by_norm = lambda optimizer, clip_val: runner.clip_grad_norm_(  # type: ignore[method-assign]
-            plugin.main_params(optimizer), float(clip_val)
-        )
+
+        def clip_grad_by_norm(optimizer: Any, clip_val: float) -> None:
+            runner.clip_grad_norm_(plugin.main_params(optimizer), float(clip_val))
+
+        plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
 

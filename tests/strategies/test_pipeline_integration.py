@@ -1,0 +1,152 @@
+"""Pipeline parallelism under ZeroStrategy on CPU ranks over gloo: losses equal a single-process run."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lightning_bigtrain.data import ShakespeareDataModule
+from lightning_bigtrain.models import CharGPT
+from lightning_bigtrain.strategies import PipelineOptions, ZeroStrategy
+from tests.helpers.distributed import run_on_ranks
+from tests.strategies.test_tensor_parallel_integration import (
+    _QUIET,
+    InOrder,
+    Losses,
+    OneReplica,
+    _assert_same,
+    _no_dropout,
+)
+
+pytestmark = pytest.mark.integration
+
+
+def _model() -> CharGPT:
+    return CharGPT(block_size=32, n_layer=4, n_head=4, n_embd=64, dropout=0.0, warmup_steps=5)
+
+
+class Logged(L.Callback):
+    """What rank 0's LightningModule logged (the last stage computed it: replayed on every rank)."""
+
+    def __init__(self) -> None:
+        self.train: list[float] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        self.train.append(float(trainer.callback_metrics["train_loss"]))
+
+
+def _fit(devices: int, strategy: Any, steps: int, accumulate: int = 1) -> dict[str, Any]:
+    L.seed_everything(0, verbose=False)
+    losses, logged = Losses(), Logged()
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, limit_val_batches=2,
+                        val_check_interval=steps * accumulate, gradient_clip_val=0.5, enable_checkpointing=False,
+                        accumulate_grad_batches=accumulate, callbacks=[losses, logged], **_QUIET)  # fmt: skip
+    data = (OneReplica if devices == 1 else ShakespeareDataModule)(block_size=32, batch_size=8, subset=2048)
+    trainer.fit(_model(), datamodule=data)
+    bubble = getattr(trainer.strategy, "pipeline_bubble", None)
+    return {"losses": losses.values, "logged": logged.train, "val": float(trainer.callback_metrics["val_loss"]),
+            "bubble": bubble}  # fmt: skip
+
+
+def _single(rank: int, steps: int, accumulate: int = 1) -> dict[str, Any]:
+    return _fit(1, "auto", steps, accumulate)
+
+
+def _pp2(rank: int, schedule: str, steps: int, accumulate: int = 1) -> dict[str, Any]:
+    return _fit(2, ZeroStrategy(pipeline_parallel=2, pipeline=PipelineOptions(schedule=schedule)), steps, accumulate)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_pp2_losses_equal_a_single_process_run_over_50_steps(schedule):
+    """4 micro-batches of 2 through 2 stages; clipping by the norm over both; the logged loss and the validation
+    loss (computed on the last stage) reach rank 0."""
+    expected = run_on_ranks(_single, 50, world_size=1, init_process_group=False)[0]
+    results = run_on_ranks(_pp2, schedule, 50, init_process_group=False)
+    for r in results:
+        _assert_same(r["losses"], expected["losses"])
+        _assert_same(r["logged"], expected["logged"])
+        assert abs(r["val"] - expected["val"]) / expected["val"] < 1e-4, (r["val"], expected["val"])
+        assert 0.0 < r["bubble"] < 1.0, r["bubble"]
+    assert results[0]["losses"] == results[1]["losses"]
+
+
+def test_interleaved_1f1b_with_gradient_accumulation_equals_a_single_process_run():
+    """Two stages per rank (4 in all); two batches accumulated per optimizer step."""
+    expected = run_on_ranks(_single, 10, 2, world_size=1, init_process_group=False)[0]
+    for r in run_on_ranks(_pp2, "interleaved_1f1b", 10, 2, init_process_group=False):
+        _assert_same(r["losses"], expected["losses"])
+
+
+def _families(rank: int, devices: int) -> dict[str, Any]:
+    from benchmarks.conformance import FAMILIES, _build, _data
+
+    out = {}
+    for family in ("hf_gpt2", "lightning_demo_transformer", "tv_vit"):
+        L.seed_everything(0, verbose=False)
+        model = _no_dropout(_build(FAMILIES[family], 0))
+        losses = Losses()
+        strategy = ZeroStrategy(pipeline_parallel=2) if devices == 2 else "auto"
+        trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=6, limit_val_batches=0,
+                            gradient_clip_val=1.0, enable_checkpointing=False, use_distributed_sampler=False,
+                            callbacks=[losses], **_QUIET)  # fmt: skip
+        trainer.fit(model, datamodule=InOrder(_data(FAMILIES[family].data), batch_size=8))
+        plan = getattr(trainer.strategy, "pipeline_plan", None)
+        out[family] = {"losses": losses.values, "plan": plan}
+    return out
+
+
+def test_models_we_did_not_write_run_as_on_one_process_under_pp2():
+    """Hugging Face GPT-2 (tied LM head: its gradient is summed from both stages), Lightning's demo Transformer
+    (the decoder's layers cut; the encoder whole on both stages, named in a warning), torchvision's ViT."""
+    pytest.importorskip("transformers")
+    expected = run_on_ranks(_families, 1, world_size=1, init_process_group=False)[0]
+    for r in run_on_ranks(_families, 2, init_process_group=False):
+        for family, got in r.items():
+            plan = got["plan"]
+            print(f"{family}: `{plan.container}` cut at {plan.boundaries}; whole on every stage: {plan.others}")
+            assert plan.stages == 2
+            torch.testing.assert_close(got["losses"], expected[family]["losses"], rtol=1e-5, atol=0)
+        assert r["lightning_demo_transformer"]["plan"].others == ("model.transformer.encoder.layers",)
+
+
+def _resume(rank: int, folder: str) -> dict[str, Any]:
+    """12 steps with a checkpoint every 6 (mid-epoch); a new Trainer resumes from step 6's."""
+
+    def run(callbacks: list[L.Callback], ckpt_path: str | None) -> list[float]:
+        L.seed_everything(0, verbose=False)
+        losses = Losses()
+        trainer = L.Trainer(accelerator="cpu", devices=2, strategy=ZeroStrategy(pipeline_parallel=2), max_steps=12,
+                            limit_val_batches=0, gradient_clip_val=0.5, callbacks=[losses, *callbacks],
+                            **_QUIET)  # fmt: skip
+        data = ShakespeareDataModule(block_size=32, batch_size=8, subset=2048)
+        trainer.fit(_model(), datamodule=data, ckpt_path=ckpt_path)
+        return losses.values
+
+    every6 = ModelCheckpoint(dirpath=folder, filename="{step}", every_n_train_steps=6, save_top_k=-1)
+    straight = run([every6], None)
+    return {"straight": straight[6:], "resumed": run([], f"{folder}/step=6.ckpt")}
+
+
+def test_pp2_resumes_exactly_and_its_checkpoint_loads_whole_on_one_device(tmp_path):
+    from lightning_bigtrain.strategies.zero import consolidate_checkpoint
+
+    for r in run_on_ranks(_resume, str(tmp_path), init_process_group=False):
+        assert r["resumed"] == r["straight"], (r["resumed"], r["straight"])
+    # Another layout: the whole model on one process, plain Lightning, from the consolidated step-6 file: step 6's
+    # loss on its batch.
+    one = consolidate_checkpoint(tmp_path / "step=6.ckpt", tmp_path / "one.ckpt")
+    model = CharGPT.load_from_checkpoint(one)
+    assert isinstance(model.blocks, torch.nn.ModuleList) and len(model.blocks) == 4
+    L.seed_everything(0, verbose=False)
+    data = OneReplica(block_size=32, batch_size=8, subset=2048)
+    data.setup("fit")
+    batches = iter(data.train_dataloader())
+    for _ in range(6):
+        next(batches)
+    with torch.no_grad():
+        loss = model._loss(next(batches)).item()
+    assert abs(loss - r["straight"][0]) / r["straight"][0] < 1e-5, (loss, r["straight"][0])
