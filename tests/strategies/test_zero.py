@@ -20,6 +20,8 @@ NAMES = {
     "bigtrain_zero3_offload",
     "bigtrain_zero3_tp2",
     "bigtrain_zero3_tp4",
+    "bigtrain_zero3_pp2",
+    "bigtrain_zero3_pp4",
     "bigtrain_ddp_powersgd",
     "bigtrain_ddp_topk",
     "bigtrain_ddp_onebit",
