@@ -33,7 +33,8 @@ from typing import Any
 
 from benchmarks.common import RESULTS_DIR, command_line, print_table, ratio, run_worker, write_results
 
-LAYOUTS = {"ddp": (2, 1), "tp2": (2, 2), "dp2_tp2": (4, 2)}  # devices, tensor-parallel degree
+LAYOUTS = {"ddp": (2, 1), "tp2": (2, 2), "dp2_tp2": (4, 2), "pp2": (2, 1), "pp2_gpipe": (2, 1)}  # devices, TP degree
+PIPELINES = {"pp2": "1f1b", "pp2_gpipe": "gpipe"}  # pipeline layouts: 2 stages, 4 micro-batches of 1
 BATCH, BLOCK = 4, 128
 
 
@@ -80,12 +81,15 @@ def worker(layout: str, quick: bool, steps: int, out: str) -> None:
     from benchmarks.common import zero_benchmark_model
     from lightning_bigtrain.callbacks import RunReport
     from lightning_bigtrain.functional.sharding import local_view
-    from lightning_bigtrain.strategies import ZeroStrategy
+    from lightning_bigtrain.strategies import PipelineOptions, ZeroStrategy
 
     devices, degree = LAYOUTS[layout]
     data, model, psi = zero_benchmark_model(quick)
     strategy: Any = "ddp" if layout == "ddp" else ZeroStrategy(stage=3, tensor_parallel=degree)
+    if layout in PIPELINES:
+        strategy = ZeroStrategy(pipeline_parallel=2, pipeline=PipelineOptions(schedule=PIPELINES[layout]))  # type: ignore[arg-type]
     counted: dict[str, Any] = {}
+    bubbles: list[float] = []
 
     class OneStep(L.Callback):
         """Count the tensor-parallel bytes of the third step (forward, backward and update) and the bytes its forward
@@ -99,13 +103,20 @@ def worker(layout: str, quick: bool, steps: int, out: str) -> None:
             if degree > 1:
                 self.context = count_tensor_parallel_bytes(degree)
                 self.counts = self.context.__enter__()
+            if layout in PIPELINES:
+                self.comm = trainer.strategy.comm_bytes
             weights = {local_view(p).untyped_storage().data_ptr() for p in pl_module.parameters()}
             saved: dict[int, int] = {}
+            runner = getattr(trainer.strategy, "_pipeline", None)
+            self.by_microbatch: dict[int, dict[int, int]] = {}
 
             def pack(t: Any) -> Any:
                 storage = local_view(t).untyped_storage()
                 if storage.data_ptr() not in weights:
                     saved[storage.data_ptr()] = storage.nbytes()
+                    if runner is not None and runner.current is not None:
+                        mb = self.by_microbatch.setdefault(runner.current[1], {})
+                        mb[storage.data_ptr()] = storage.nbytes()
                 return t
 
             self.saved = saved
@@ -121,6 +132,19 @@ def worker(layout: str, quick: bool, steps: int, out: str) -> None:
                 self.hooks.__exit__(None, None, None)
                 self.hooks = None
                 counted["activations"] = float(sum(self.saved.values()))
+                if layout in PIPELINES:
+                    # The peak held at once: each micro-batch's saved bytes, from its forward to its backward, in the
+                    # order this rank ran them.
+                    strategy = trainer.strategy
+                    counted["bytes"] = float(strategy.comm_bytes - self.comm)
+                    held, peak = 0.0, 0.0
+                    for _, kind, mb, _ in strategy._pipeline.timings[strategy.global_rank]:
+                        size = float(sum(self.by_microbatch.get(mb, {}).values()))
+                        held += size if kind == "F" else -size
+                        peak = max(peak, held)
+                    counted["activations"] = peak
+            if layout in PIPELINES and trainer.global_step > 2:
+                bubbles.append(trainer.strategy.pipeline_bubble)
 
     step_times: list[float] = []
 
@@ -160,12 +184,14 @@ def worker(layout: str, quick: bool, steps: int, out: str) -> None:
             "activation_bytes_per_rank": [row[2] for row in gathered],
             "step_seconds_median": statistics.median(step_times[2:]), "step_seconds": step_times,
             "loss_end": report.report["train_loss_end"], "sharded_fraction": fraction,
+            "bubble_median": statistics.median(bubbles) if bubbles else None, "bubbles": bubbles,
         }))  # fmt: skip
 
 
 def _throughput(entry: dict[str, Any]) -> float:
-    """Tokens per second over the job: one batch per data-parallel rank per step."""
-    return entry["devices"] // entry["degree"] * BATCH * BLOCK / entry["step_seconds_median"]
+    """Tokens per second over the job: one batch per data-parallel rank per step (a pipeline is one such rank)."""
+    replicas = 1 if entry["layout"] in PIPELINES else entry["devices"] // entry["degree"]
+    return replicas * BATCH * BLOCK / entry["step_seconds_median"]
 
 
 def _planner(layout: str, quick: bool) -> dict[str, float]:
@@ -173,12 +199,17 @@ def _planner(layout: str, quick: bool) -> dict[str, float]:
 
     from benchmarks.common import zero_benchmark_model
     from lightning_bigtrain.planning import plan
-    from lightning_bigtrain.planning.parallel import estimate_tensor_parallel
+    from lightning_bigtrain.planning.parallel import estimate_pipeline, estimate_tensor_parallel
 
     devices, degree = LAYOUTS[layout]
     _, model, _ = zero_benchmark_model(quick)
     rows = plan(model, devices=devices, accelerator="cpu", batch_shape=(BATCH, BLOCK), optimizer="adamw",
                 compression=False)  # fmt: skip
+    if layout in PIPELINES:  # the row is 1F1B's; the schedule's activations and bubble from its estimate
+        row = rows["zero3_pp2"]
+        est = estimate_pipeline(model, 2, 2, torch.zeros(BATCH, BLOCK, dtype=torch.long), schedule=PIPELINES[layout])
+        return {"model_state_bytes": row.model_states_bytes, "comm_bytes_per_step": row.comm_bytes_per_step,
+                "activation_bytes": max(est.activations(r) or 0.0 for r in range(2)), "bubble": est.bubble}  # fmt: skip
     row = rows["ddp" if degree == 1 else f"zero3_tp{degree}"]
     out = {"model_state_bytes": row.model_states_bytes, "comm_bytes_per_step": row.comm_bytes_per_step,
            "activation_bytes": row.activation_bytes}  # fmt: skip
@@ -212,18 +243,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if layout != "ddp":
             states = max(measured["model_state_bytes_per_rank"])
             entry["states_over_planner"] = ratio(states, predicted["model_state_bytes"])
+        if layout in PIPELINES:
+            entry["pp_bytes_over_planner"] = ratio(max(measured["tp_bytes_per_rank"]), predicted["comm_bytes_per_step"])
+            entry["bubble_over_planner"] = ratio(measured["bubble_median"], predicted["bubble"])
+        elif layout != "ddp":
             entry["tp_bytes_over_planner"] = ratio(max(measured["tp_bytes_per_rank"]), predicted["tp_bytes_per_step"])
         figures[layout] = entry
         print(f"{layout}: states {max(measured['model_state_bytes_per_rank']) / 2**20:.2f} MiB per rank, "
               f"step {1e3 * measured['step_seconds_median']:.0f} ms", flush=True)  # fmt: skip
-    figures["tp2"]["throughput_over_ddp"] = ratio(_throughput(figures["tp2"]), _throughput(figures["ddp"]))
+    for name in ("tp2", *PIPELINES):
+        figures[name]["throughput_over_ddp"] = ratio(_throughput(figures[name]), _throughput(figures["ddp"]))
     rows = [
         {
             "layout": k,
             "states MiB/rank": max(v["model_state_bytes_per_rank"]) / 2**20,
             "planner MiB": v["planner"]["model_state_bytes"] / 2**20,
-            "TP MiB/step": max(v["tp_bytes_per_rank"]) / 2**20,
-            "planner TP MiB": v["planner"].get("tp_bytes_per_step", 0.0) / 2**20,
+            "TP/PP MiB/step": max(v["tp_bytes_per_rank"]) / 2**20,
+            "planner MiB/step": v["planner"].get("tp_bytes_per_step", v["planner"]["comm_bytes_per_step"]) / 2**20,
+            "bubble": v.get("bubble_median") or 0.0,
+            "planner bubble": v["planner"].get("bubble", 0.0),
             "activations MiB": max(v["activation_bytes_per_rank"]) / 2**20,
             "planner act. MiB": v["planner"]["activation_bytes"] / 2**20,
             "step ms": 1e3 * v["step_seconds_median"],
@@ -232,9 +270,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for k, v in figures.items()
     ]
     table = print_table(rows, list(rows[0]))
-    tp2 = figures["tp2"]
+    tp2, pp2 = figures["tp2"], figures["pp2"]
     headline = (f"tp2 states x{tp2['states_over_planner']:.3f} planner, TP bytes x{tp2['tp_bytes_over_planner']:.3f} "
-                f"planner, throughput x{tp2['throughput_over_ddp']:.2f} DDP")  # fmt: skip
+                f"planner, throughput x{tp2['throughput_over_ddp']:.2f} DDP; pp2 (1F1B) bubble "
+                f"{pp2['bubble_median']:.3f} (planner {pp2['planner']['bubble']:.3f}), PP bytes "
+                f"x{pp2['pp_bytes_over_planner']:.3f} planner, "
+                f"throughput x{pp2['throughput_over_ddp']:.2f} DDP")  # fmt: skip
     payload = {"config": {"quick": args.quick, "steps": args.steps, "batch": [BATCH, BLOCK], "layouts": LAYOUTS},
                "figures": figures, "table": table}  # fmt: skip
     path = write_results("parallel", payload, headline, args.results_dir,
@@ -253,11 +294,9 @@ def render_block(results_dir: Path = RESULTS_DIR) -> str:
     rows = []
     for name, v in f.items():
         p = v["planner"]
-        tp = (
-            "-"
-            if name == "ddp"
-            else f"{max(v['tp_bytes_per_rank']) / 2**20:.2f} ({p['tp_bytes_per_step'] / 2**20:.2f})"
-        )
+        predicted = p.get("tp_bytes_per_step", p["comm_bytes_per_step"])
+        tp = "-" if name == "ddp" else f"{max(v['tp_bytes_per_rank']) / 2**20:.2f} ({predicted / 2**20:.2f})"
+        bubble = f"{v['bubble_median']:.3f} ({p['bubble']:.3f})" if name in PIPELINES else "-"
         step = "- | -" if name == "dp2_tp2" else f"{1e3 * v['step_seconds_median']:.0f} | {_throughput(v):.0f}"
         act = (
             "-"
@@ -266,9 +305,9 @@ def render_block(results_dir: Path = RESULTS_DIR) -> str:
         )
         rows.append(
             f"| {name} | {max(v['model_state_bytes_per_rank']) / 2**20:.2f} ({p['model_state_bytes'] / 2**20:.2f}) "
-            f"| {act} | {tp} | {step} |"
+            f"| {act} | {tp} | {bubble} | {step} |"
         )
-    tp2 = f["tp2"]
+    tp2, pp2, gpipe = f["tp2"], f["pp2"], f["pp2_gpipe"]
     return "\n".join(
         [
             measured_line(results, "parallel.json", results_dir),
@@ -277,8 +316,8 @@ def render_block(results_dir: Path = RESULTS_DIR) -> str:
             f"CPU over gloo. Under `tensor_parallel=2` the automatic split covers "
             f"**{100 * tp2['sharded_fraction']:.1f}%** of the blocks' parameters. Per rank, measured (planner):",
             "",
-            "| layout | model states MiB | activations MiB | tensor-parallel MiB sent per step | step ms | tokens/s |",
-            "|---|---|---|---|---|---|",
+            "| layout | model states MiB | activations MiB | TP / PP MiB sent per step | bubble | step ms | tokens/s |",
+            "|---|---|---|---|---|---|---|",
             *rows,
             "",
             f"Model states **x{tp2['states_over_planner']:.3f}** the planner's, tensor-parallel bytes "
@@ -292,6 +331,19 @@ def render_block(results_dir: Path = RESULTS_DIR) -> str:
             "not speed; each rank computes half of every block but waits on four blocking all-reduces per block, and "
             "DTensor's dispatch adds a fixed cost per split module). `dp2_tp2` runs 4 processes on 2 cores, so its "
             "time is not a figure.",
+            "",
+            f"Pipeline (`pp2`: 1F1B, `pp2_gpipe`: GPipe; 2 stages, each batch cut into {BATCH} micro-batches of 1 "
+            "sequence): model states "
+            f"**x{pp2['states_over_planner']:.3f}** the planner's, bytes sent (activations and gradients between the "
+            f"stages, and the sum of the embeddings' and head's gradients) **x{pp2['pp_bytes_over_planner']:.3f}**, "
+            f"activations held at the peak (each micro-batch's saved bytes from its forward to its backward, in the "
+            f"order the rank ran them) **x{pp2['activations_over_planner']:.2f}** under 1F1B and "
+            f"x{gpipe['activations_over_planner']:.2f} under GPipe, which holds every micro-batch. The bubble is replayed "
+            f"from the schedule's own per-action times (each forward and backward timed where the stage runs it; the "
+            f"wall clock of 2 ranks on 2 cores measures the OS): **{pp2['bubble_median']:.3f}** against the planner's "
+            f"{pp2['planner']['bubble']:.3f} (x{pp2['bubble_over_planner']:.2f}). Throughput "
+            f"**x{pp2['throughput_over_ddp']:.2f}** DDP's (one pipeline trains on one batch per step, DDP's two ranks "
+            "on two).",
         ]
     )
 

@@ -31,7 +31,7 @@ from torch import nn
 
 from lightning_bigtrain.functional.tensor_parallel import Split, TensorParallelPlan, plan_tensor_parallel
 
-__all__ = ["TensorParallelEstimate", "estimate_tensor_parallel", "layouts"]
+__all__ = ["PipelineEstimate", "TensorParallelEstimate", "estimate_pipeline", "estimate_tensor_parallel", "layouts"]
 
 
 def layouts(devices: int) -> list[int]:
@@ -167,3 +167,122 @@ def estimate_tensor_parallel(
     """:class:`TensorParallelEstimate` of ``model`` split ``degree`` ways on ``world`` ranks; ``example`` (a batch
     of one device) measures the tensor-parallel messages."""
     return TensorParallelEstimate(model, degree, world, example)
+
+
+class PipelineEstimate:
+    """Per-rank model states, activations, messages and bubble of ``ZeroStrategy(pipeline_parallel=P)``.
+
+    The cut is :func:`~lightning_bigtrain.functional.pipeline.plan_pipeline`'s (as the strategy cuts). Per rank:
+
+    * **Model states**, exact: the blocks of this rank's stages, plus everything outside the block container
+      (embeddings, head, norms: every stage holds them).
+    * **Pipeline bytes**, exact: each micro-batch's activation is sent to the next stage in forward and its gradient
+      to the previous one in backward, both of the blocks' input's shape and dtype (measured on fake tensors at the
+      micro-batch size); and once per step the gradients of what every stage holds are summed over the pipeline
+      group (an all-reduce).
+    * **Activations**: measured on fake tensors at the micro-batch size, cut where the blocks begin and end: a
+      stage saves the part before the blocks (every stage runs it), its own blocks' and, on the last stage, the part
+      after; times the micro-batches in flight (GPipe: all ``m``; 1F1B on rank ``r``: ``min(p - r, m)``; the
+      interleaved schedule's are not estimated).
+    * **Bubble**: :func:`~lightning_bigtrain.functional.pipeline.bubble_fraction` of the schedule.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        degree: int,
+        world: int,
+        example: torch.Tensor | None,
+        *,
+        schedule: str = "1f1b",
+        microbatches: int | None = None,
+        stages_per_rank: int = 1,
+        precision: str = "32-true",
+    ) -> None:
+        from lightning_bigtrain.functional.pipeline import bubble_fraction, plan_pipeline
+
+        if world != degree:
+            raise ValueError(
+                f"pipeline_parallel={degree} on {world} ranks: data parallelism across pipelines is not supported yet"
+            )
+        self.degree, self.schedule = degree, schedule
+        self.microbatches = microbatches if microbatches is not None else 2 * degree
+        self.virtual = stages_per_rank if schedule == "interleaved_1f1b" else 1
+        self.plan = plan_pipeline(model, degree * self.virtual)
+        container = model.get_submodule(self.plan.container)
+        blocks = dict(container.named_children())
+        inside = {id(p) for p in container.parameters()}
+        outside = [p for p in model.parameters() if id(p) not in inside]
+        self.local_stages = [[s for s in range(self.plan.stages) if s % degree == r] for r in range(degree)]
+        self.outside_trainable = sum(p.numel() for p in outside if p.requires_grad)
+        self.numel: list[int] = []
+        self.numel_trainable: list[int] = []
+        self.tensors: list[int] = []
+        for stages in self.local_stages:
+            params = list(outside) + [p for s in stages for n in self.plan.blocks(s) for p in blocks[n].parameters()]
+            self.numel.append(sum(p.numel() for p in params))
+            self.numel_trainable.append(sum(p.numel() for p in params if p.requires_grad))
+            self.tensors.append(sum(1 for p in params if p.requires_grad))
+        self.bubble = bubble_fraction(schedule, degree, self.microbatches, self.virtual)  # type: ignore[arg-type]
+        self.hidden_bytes = 0
+        self.breakdown: dict[str, Any] = {}
+        if example is not None:
+            if example.shape[0] % self.microbatches:
+                raise ValueError(f"a batch of {example.shape[0]} cannot be cut into {self.microbatches} micro-batches")
+            self._measure(model, list(blocks.values()), example[: example.shape[0] // self.microbatches], precision)
+
+    def _measure(self, model: nn.Module, blocks: list[nn.Module], micro: torch.Tensor, precision: str) -> None:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        from lightning_bigtrain.planning.planner import measure_activations
+
+        found: list[torch.Tensor] = []
+        hook = blocks[0].register_forward_pre_hook(lambda m, args: found.append(args[0]))
+        try:
+            with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True) as mode:
+                params = {n: mode.from_tensor(p) for n, p in model.named_parameters()}
+                buffers = {n: mode.from_tensor(b) for n, b in model.named_buffers()}
+                torch.func.functional_call(model, {**params, **buffers}, (mode.from_tensor(micro),))
+        finally:
+            hook.remove()
+        self.hidden_bytes = int(found[0].numel() * found[0].element_size())
+        measure_activations(model, micro, checkpoint_blocks=blocks, precision=precision, breakdown=self.breakdown)
+
+    def pipeline_bytes(self, rank: int) -> float:
+        """Bytes ``rank`` sends per step: an activation forward from each stage but the last, a gradient back from
+        each but the first, per micro-batch."""
+        last = self.plan.stages - 1
+        messages = sum((s < last) + (s > 0) for s in self.local_stages[rank])
+        return float(messages * self.microbatches * self.hidden_bytes)
+
+    def reduce_bytes(self, element_bytes: int) -> float:
+        """Bytes each rank sends per step summing the gradients of what every stage holds (embeddings, head, norms)
+        over the pipeline group: an all-reduce, ring equivalent ``2(p-1)/p`` of the message."""
+        p = self.degree
+        return 2 * (p - 1) / p * self.outside_trainable * element_bytes
+
+    def in_flight(self, rank: int) -> int | None:
+        """Micro-batches whose activations ``rank`` holds at once (None: the interleaved schedule, not estimated)."""
+        if self.schedule == "gpipe":
+            return self.microbatches
+        if self.schedule == "1f1b":
+            return min(self.degree - rank, self.microbatches)
+        return None
+
+    def activations(self, rank: int) -> float | None:
+        """Bytes ``rank`` holds saved for backward at its peak (None without an example or for interleaving)."""
+        count = self.in_flight(rank)
+        if not self.breakdown or count is None:
+            return None
+        names = self.plan.names
+        per_block = dict(zip(names, self.breakdown["blocks"], strict=True))
+        local = sum(per_block[n] for s in self.local_stages[rank] for n in self.plan.blocks(s))
+        last = self.plan.stages - 1 in self.local_stages[rank]
+        return count * (self.breakdown["before"] + local + (self.breakdown["after"] if last else 0.0))
+
+
+def estimate_pipeline(model: nn.Module, degree: int, world: int, example: torch.Tensor | None = None,
+                      **kwargs: Any) -> PipelineEstimate:  # fmt: skip
+    """:class:`PipelineEstimate` of ``model`` cut into ``degree`` pipeline ranks of ``world``; ``example`` (a batch of
+    one pipeline) measures the messages and activations."""
+    return PipelineEstimate(model, degree, world, example, **kwargs)

@@ -37,7 +37,7 @@ from torch import nn
 from lightning_bigtrain.engines.flat_shard import norm_parameters
 from lightning_bigtrain.functional.compression import COMPRESSION_NAMES
 from lightning_bigtrain.functional.memory import parse_bytes
-from lightning_bigtrain.planning.parallel import estimate_tensor_parallel
+from lightning_bigtrain.planning.parallel import estimate_pipeline, estimate_tensor_parallel
 from lightning_bigtrain.planning.parallel import layouts as tensor_parallel_layouts
 from lightning_bigtrain.warnings import BigtrainWarning
 
@@ -78,10 +78,11 @@ STRATEGY_NAMES = {
 def strategy_config(row: str) -> str | dict[str, Any]:
     """How ``bigtrain fit`` names a plan row's strategy: a registered name, or for ``zero3_tp{T}`` the class with its
     arguments (only some degrees are registered)."""
-    match = re.fullmatch(r"zero3_tp(\d+)", row)
+    match = re.fullmatch(r"zero3_(tp|pp)(\d+)", row)
     if match:
+        key = "tensor_parallel" if match.group(1) == "tp" else "pipeline_parallel"
         return {"class_path": "lightning_bigtrain.strategies.ZeroStrategy",
-                "init_args": {"stage": 3, "tensor_parallel": int(match.group(1))}}  # fmt: skip
+                "init_args": {"stage": 3, key: int(match.group(2))}}  # fmt: skip
     return STRATEGY_NAMES[row]
 
 
@@ -163,6 +164,7 @@ class PlanRow:
     comm_seconds_per_step: float
     offload_seconds_per_step: float
     fits: bool
+    bubble_fraction: float = 0.0  # pipeline rows: the schedule's idle fraction of compute (not in the seconds)
 
     @property
     def model_states_bytes(self) -> float:
@@ -464,6 +466,7 @@ def measure_activations(
     precision: str = "32-true",
     weights_16bit: bool = False,
     split: tuple[Sequence[nn.Module], Sequence[nn.Module], int] | None = None,
+    breakdown: dict[str, Any] | None = None,
 ) -> tuple[float, float, float]:
     """Bytes the forward pass saves for backward (activations), measured on fake tensors: without and
     with activation checkpointing of ``checkpoint_blocks`` (each block then keeps only its input, and the
@@ -480,6 +483,9 @@ def measure_activations(
     ``split=(columns, rows, T)``: tensor parallelism's per-rank share. What is saved between a column-split module's
     output and the end of the row-split module that closes its region (attention's heads, the MLP's hidden
     activation, the row module's input) is split ``T`` ways; the rest is whole on every rank.
+
+    ``breakdown``: a dict filled with ``"before"`` (bytes saved before the first of ``checkpoint_blocks`` runs),
+    ``"blocks"`` (each block's) and ``"after"`` (the rest): a pipeline stage's share (planner rows ``pp{P}``).
 
     Parameters are not counted (they are model states). Raises on models that cannot run on fake tensors.
     """
@@ -521,11 +527,13 @@ def measure_activations(
         return float(sum(saved.values()))
 
     hooks = []
+    starts: list[float] = []
     for block in checkpoint_blocks:
         start: list[float] = []
 
         def before(module: nn.Module, args: tuple[Any, ...], start: list[float] = start) -> None:
             start.append(total())
+            starts.append(start[-1])
             block_inputs.append(float(sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))))
 
         def after(module: nn.Module, args: tuple[Any, ...], out: Any, start: list[float] = start) -> None:
@@ -578,10 +586,59 @@ def measure_activations(
         for h in hooks:
             h.remove()
     plain = total()
+    if breakdown is not None and per_block:
+        breakdown["before"] = float(starts[0])
+        breakdown["blocks"] = list(per_block)
+        breakdown["after"] = plain - float(starts[0]) - sum(per_block)
     if not checkpoint_blocks or not per_block:
         return plain, plain, max(working, plain)
     checkpointed = plain - sum(per_block) + sum(block_inputs) + max(per_block)
     return plain, checkpointed, max(working, plain)
+
+
+def _pipeline_row(
+    model: nn.Module,
+    n: int,
+    batch_shape: tuple[int, ...] | None,
+    input_dtype: torch.dtype,
+    precision: str,
+    p_bytes: int,
+    g_bytes: int,
+    state_per_param: float,
+    step_bytes: int,
+    beta: float,
+    latency: float,
+    memory: float,
+    notes: list[str],
+) -> PlanRow | None:
+    """``zero3_pp{n}``: the model cut into ``n`` pipeline stages (1F1B, ``2n`` micro-batches), the busiest rank's
+    figures (:class:`~lightning_bigtrain.planning.parallel.PipelineEstimate`)."""
+    name = f"zero3_pp{n}"
+    example = torch.zeros(tuple(batch_shape), dtype=input_dtype) if batch_shape is not None else None
+    try:
+        est = estimate_pipeline(model, n, n, example, precision=precision)
+    except Exception as err:  # no block container, too few blocks, an indivisible batch: no row
+        notes.append(f"{name}: not estimated ({type(err).__name__}: {err})")
+        return None
+    worst: PlanRow | None = None
+    for r in range(n):
+        p_dev, g_dev = est.numel[r] * p_bytes, est.numel_trainable[r] * g_bytes
+        s_dev = est.numel_trainable[r] * state_per_param + est.tensors[r] * step_bytes
+        p2p = est.pipeline_bytes(r)
+        messages = p2p / est.hidden_bytes if est.hidden_bytes else 0
+        reduce = est.reduce_bytes(g_bytes)
+        sent = p2p + reduce
+        seconds = messages * latency + 2 * (n - 1) * latency + sent / beta
+        activations = est.activations(r) or 0.0
+        row = PlanRow(name, p_dev, g_dev, s_dev, activations, 0.0, 0.0, sent, seconds, 0.0, fits=False,
+                      bubble_fraction=est.bubble)  # fmt: skip
+        if worst is None or row.peak_bytes > worst.peak_bytes:
+            worst = row
+    assert worst is not None
+    if example is None:
+        notes.append(f"{name}: activations and pipeline bytes need batch_shape (left out)")
+    notes.append(f"{name}: the 1F1B schedule idles {100 * est.bubble:.0f}% of compute (bubble), not in its seconds")
+    return PlanRow(**{**worst.__dict__, "fits": worst.peak_bytes <= memory})
 
 
 def _repeated_blocks(model: nn.Module) -> list[nn.Module]:
@@ -854,6 +911,11 @@ def _plan(model_or_num_params: nn.Module | int, cluster: Cluster, workload: Work
             rows[name] = PlanRow(**{**row.__dict__, "fits": row.peak_bytes <= memory})
             if not est.messages:
                 notes.append(f"{name}: tensor-parallel bytes need batch_shape (left out)")
+    if isinstance(model_or_num_params, nn.Module) and num_nodes == 1 and n > 1:
+        row_pp = _pipeline_row(model_or_num_params, n, batch_shape, input_dtype, precision, p_bytes, g_bytes,
+                               state_per_param, step_bytes, beta, latency, memory, notes)  # fmt: skip
+        if row_pp is not None:
+            rows[row_pp.strategy] = row_pp
     if accelerator == "cpu":
         notes.append("on CPU, offloading has nothing to move: the offload rows are ZeRO-3 (FSDP2) without offload")
     compressed: dict[str, PlanRow] = {}
@@ -877,7 +939,9 @@ def _plan(model_or_num_params: nn.Module | int, cluster: Cluster, workload: Work
             compressed[name] = PlanRow(**{**row.__dict__, "fits": fits})
         if shapes is None:
             notes.append("PowerSGD rows need a model (its factors depend on the weight shapes)")
-    fitting = [r for r in rows.values() if r.fits]
+    # A pipeline row's bubble costs compute time, which the planner does not model: it is recommended only when
+    # nothing else fits.
+    fitting = [r for r in rows.values() if r.fits and not r.bubble_fraction] or [r for r in rows.values() if r.fits]
     recommendation = None
     if fitting:
         # The fastest; among those within 2% of it, the simplest (the first in STRATEGIES order).

@@ -140,19 +140,24 @@ class PipelineRunner:
         self._pending: list[torch.Tensor | None] = []
         self._metas: dict[Any, tuple[torch.Size, Any]] = {}
         self._step: dict[str, Any] = {}
-        self.timings: dict[int, list[tuple[int, str, int, float]]] = {}  # the last step's actions, by rank (rank 0)
+        self.timings: dict[int, list[tuple[int, str, int, float]]] = {}  # the last step's actions, by rank
+        self.sent_bytes = 0  # activations and gradients this rank has sent to other stages since setup
+        self.reduced_bytes = 0.0  # the replicated parameters' gradient all-reduces since setup (ring equivalent)
+        self.current: tuple[int, int] | None = None  # (stage, micro-batch) while a stage runs
 
     # --- the stage function -----------------------------------------------------------------------------------
     def _run_stage(self, stage: int, incoming: torch.Tensor | None, mb: int) -> torch.Tensor:
         step = self._step
         run = StageRun(self.plan.blocks(stage), incoming, stage == self.stages - 1, meta=step["meta"])
         self.blocks.run = run
+        self.current = (stage, mb)
         try:
             output = step["fn"](step["microbatches"][mb], *step["rest"])
         except StageOutput as out:
             return out.hidden.contiguous()  # sent as is: a transposed view (batch_first attention) cannot be
         finally:
             self.blocks.run = None
+            self.current = None
         if run.calls == 0:
             raise RuntimeError(
                 f"pipeline_parallel: `{step['name']}` never called `{self.plan.container}`, so the stages had "
@@ -368,6 +373,7 @@ class PipelineRunner:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         flat = torch.cat([g.reshape(-1) for g in grads])
         torch.distributed.all_reduce(flat, group=self.group)
+        self.reduced_bytes += 2 * (self.degree - 1) / self.degree * flat.numel() * flat.element_size()
         offset = 0
         for p, grad in zip(params, grads, strict=True):
             n = grad.numel()
@@ -416,7 +422,8 @@ def _mean(values: list[Any]) -> Any:
 
 
 def _time_actions(stage: Any, runner: PipelineRunner) -> None:
-    """Time ``stage``'s forward and backward of each micro-batch (per-action compute, for the bubble)."""
+    """Time ``stage``'s forward and backward of each micro-batch (per-action compute, for the bubble), and count the
+    bytes of the messages it sends to other stages."""
     forward, backward = stage.forward_one_chunk, stage.backward_one_chunk
 
     def timed_forward(fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
@@ -431,5 +438,15 @@ def _time_actions(stage: Any, runner: PipelineRunner) -> None:
         runner._record(stage.stage_index, "B", bwd_chunk_id, time.perf_counter() - start)
         return out
 
+    def counted(get_ops: Any) -> Any:
+        def ops(chunk_id: int) -> Any:
+            found = get_ops(chunk_id)
+            runner.sent_bytes += sum(op.tensor.numel() * op.tensor.element_size() for op in found)
+            return found
+
+        return ops
+
     stage.forward_one_chunk = timed_forward
     stage.backward_one_chunk = timed_backward
+    stage.get_fwd_send_ops = counted(stage.get_fwd_send_ops)
+    stage.get_bwd_send_ops = counted(stage.get_bwd_send_ops)

@@ -859,6 +859,8 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         """Bytes this rank has sent in the sharding's collectives since setup (ring-equivalent: (N-1)/N of
         each gathered output and each reduce-scattered input), counted where they are issued; None if
         this torch offers no way to count FSDP2's."""
+        if self._pipeline is not None:  # stage-to-stage messages and the replicated parameters' gradient sums
+            return int(self._pipeline.sent_bytes + self._pipeline.reduced_bytes)
         flats = [o for o in self.optimizers if isinstance(o, FlatShardedOptimizer)]
         if flats:
             engine = self._compression.engine if self._compression is not None else None
