@@ -340,8 +340,8 @@ def render_block(results_dir: Path = RESULTS_DIR) -> str:
             f"order the rank ran them) **x{pp2['activations_over_planner']:.2f}** under 1F1B and "
             f"x{gpipe['activations_over_planner']:.2f} under GPipe, which holds every micro-batch. The bubble is "
             "replayed from the schedule's own per-action times (each forward and backward timed where the stage runs "
-            f"it; the wall clock of 2 ranks on 2 cores measures the OS): **{pp2['bubble_median']:.3f}** against the planner's "
-            f"{pp2['planner']['bubble']:.3f} (x{pp2['bubble_over_planner']:.2f}). Throughput "
+            f"it; the wall clock of 2 ranks on 2 cores measures the OS): **{pp2['bubble_median']:.3f}** against the "
+            f"planner's {pp2['planner']['bubble']:.3f} (x{pp2['bubble_over_planner']:.2f}). Throughput "
             f"**x{pp2['throughput_over_ddp']:.2f}** DDP's (one pipeline trains on one batch per step, DDP's two ranks "
             "on two).",
         ]
