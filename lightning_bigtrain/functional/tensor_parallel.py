@@ -49,6 +49,7 @@ __all__ = [
     "apply_tensor_parallel_",
     "clip_grad_norm_global_",
     "finish_load",
+    "grad_power_sum",
     "merged_shards",
     "plan_tensor_parallel",
     "saved_layout",
@@ -500,11 +501,26 @@ def clip_grad_norm_global_(parameters: Iterable[torch.Tensor], max_norm: float, 
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return torch.tensor(0.0)
-    device = local_view(grads[0]).device
+    norm = grad_power_sum(grads, norm_type) ** (1.0 / norm_type)
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for g in grads:
+        local = local_view(g)
+        local.mul_(coef.to(local.dtype))
+    return norm
+
+
+def grad_power_sum(grads: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
+    """The sum of the ``norm_type``-th powers of ``grads`` over every rank that holds a part of them: each DTensor's
+    local power sum summed over the mesh dimensions it is divided on, a replicated one (or a plain tensor) once.
+    A collective over those mesh dimensions: every rank of them must call it with the same kinds of tensors."""
+    grads = list(grads)
     if norm_type == float("inf"):
         raise ValueError(
             "gradient_clip_algorithm='norm' with an infinite norm is not supported with tensor parallelism"
         )
+    if not grads:
+        return torch.zeros(())
+    device = local_view(grads[0]).device
     plain = torch.zeros((), device=device, dtype=torch.float32)
     sharded: dict[tuple, torch.Tensor] = {}
     meshes: dict[tuple, tuple] = {}
@@ -528,12 +544,7 @@ def clip_grad_norm_global_(parameters: Iterable[torch.Tensor], max_norm: float, 
         for d in dims:
             torch.distributed.all_reduce(value, group=mesh.get_group(d))
         total = total + value
-    norm = total ** (1.0 / norm_type)
-    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    for g in grads:
-        local = local_view(g)
-        local.mul_(coef.to(local.dtype))
-    return norm
+    return total
 
 
 def unpack_rows(full: torch.Tensor, pack: int, degree: int, dim: int = 0) -> torch.Tensor:

@@ -24,6 +24,8 @@ from lightning_bigtrain.functional.pipeline import (
     StageRun,
     simulated_bubble,
 )
+from lightning_bigtrain.functional.sharding import local_view
+from lightning_bigtrain.functional.tensor_parallel import grad_power_sum
 
 if TYPE_CHECKING:
     import lightning as L
@@ -111,6 +113,8 @@ class PipelineRunner:
         group: The pipeline group (a rank per pipeline position, in order).
         options: Schedule, micro-batches, stages per rank.
         device: This rank's device.
+        data_group: The data-parallel group across pipelines (None: one pipeline): the replicated parameters'
+            gradients are averaged over it (the blocks' are reduce-scattered by FSDP2).
     """
 
     def __init__(
@@ -121,8 +125,10 @@ class PipelineRunner:
         group: Any,
         options: PipelineOptions,
         device: torch.device,
+        data_group: Any = None,
     ) -> None:
         self.module = module
+        self.data_group = data_group
         self.plan = plan
         self.blocks = blocks
         self.group = group
@@ -361,8 +367,9 @@ class PipelineRunner:
                 p.grad.add_(grad)
 
     def sync_replicated_grads(self) -> None:
-        """Sum the gradients of the parameters every stage holds (embeddings, head, norms) over the pipeline group:
-        each stage computed only its part of them. A parameter without a gradient anywhere keeps none."""
+        """Sum the gradients of the parameters every stage holds (embeddings, head, norms) over the pipeline group
+        (each stage computed only its part of them), and average them over the data-parallel pipelines. A parameter
+        without a gradient anywhere keeps none."""
         if not self.replicated:
             return
         has = torch.tensor([p.grad is not None for p in self.replicated], dtype=torch.int32, device=self.device)
@@ -371,13 +378,19 @@ class PipelineRunner:
         if not params:
             return
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        locals_ = [local_view(g) for g in grads]  # a tensor-parallel gradient: this rank's part (alike on each stage)
+        flat = torch.cat([g.reshape(-1) for g in locals_])
         torch.distributed.all_reduce(flat, group=self.group)
         self.reduced_bytes += 2 * (self.degree - 1) / self.degree * flat.numel() * flat.element_size()
+        if self.data_group is not None:
+            replicas = torch.distributed.get_world_size(self.data_group)
+            torch.distributed.all_reduce(flat, group=self.data_group)
+            flat /= replicas
+            self.reduced_bytes += 2 * (replicas - 1) / replicas * flat.numel() * flat.element_size()
         offset = 0
-        for p, grad in zip(params, grads, strict=True):
-            n = grad.numel()
-            grad.copy_(flat[offset : offset + n].view_as(grad))
+        for p, grad, local in zip(params, grads, locals_, strict=True):
+            n = local.numel()
+            local.copy_(flat[offset : offset + n].view_as(local))
             p.grad = grad
             offset += n
 
@@ -386,15 +399,14 @@ class PipelineRunner:
         on every stage after :meth:`sync_replicated_grads`)."""
         owned = {id(p) for p in self.owned}
         pairs = [(p, p.grad) for p in parameters if p.grad is not None]
-        own = [g for p, g in pairs if id(p) in owned]
-        rep = [g for p, g in pairs if id(p) not in owned]
-        local = sum((g.detach().float().pow(2).sum() for g in own), torch.zeros((), device=self.device))
-        torch.distributed.all_reduce(local, group=self.group)
-        shared = sum((g.detach().float().pow(2).sum() for g in rep), torch.zeros((), device=self.device))
-        total = (local + shared).sqrt()
+        own = grad_power_sum([g for p, g in pairs if id(p) in owned]).to(self.device)  # (summed over tensor parallel)
+        torch.distributed.all_reduce(own, group=self.group)
+        shared = grad_power_sum([g for p, g in pairs if id(p) not in owned]).to(self.device)
+        total = (own + shared).sqrt()
         coefficient = (max_norm / (total + 1e-6)).clamp(max=1.0)
         for _, g in pairs:
-            g.detach().mul_(coefficient.to(g.dtype))
+            local = local_view(g)
+            local.detach().mul_(coefficient.to(local.dtype))
         return total
 
     # --- the bubble --------------------------------------------------------------------------------------------

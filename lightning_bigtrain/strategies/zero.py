@@ -289,12 +289,6 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         if self.pipeline_parallel == 1:
             super().setup_environment()
             return
-        if self._data_parallel_size > 1:
-            raise ValueError(
-                f"`ZeroStrategy(pipeline_parallel={self.pipeline_parallel})` on {world} processes would replicate the "
-                f"pipeline {self._data_parallel_size} times; data parallelism across pipelines is not supported yet. "
-                f"Use devices x num_nodes = {model_parallel}."
-            )
         # A (pipeline x data x tensor) mesh; Lightning's own is 2-D.
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -379,15 +373,22 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
             )
         self.model = plugin.convert_module(self.model)
         self.model_to_device()
+        if self.tensor_parallel > 1 and self._user_split():
+            raise ValueError(
+                f"`ZeroStrategy(pipeline_parallel={self.pipeline_parallel}, tensor_parallel={self.tensor_parallel})`: "
+                "a `configure_model` that splits the module itself is not supported with a pipeline yet; let the "
+                "strategy split it."
+            )
         mesh = self.device_mesh["pipeline_parallel"]
         group = mesh.get_group()
-        first = torch.distributed.get_global_rank(group, 0)
-        for tensor in self.model.state_dict(keep_vars=True).values():
-            torch.distributed.broadcast(tensor.data, src=first, group=group)
+        for tensor in self.model.state_dict(keep_vars=True).values():  # rank 0's weights and seed everywhere
+            torch.distributed.broadcast(tensor.data, src=0)
         seed = torch.tensor([torch.initial_seed() % 2**62], dtype=torch.int64, device=self.root_device)
-        torch.distributed.broadcast(seed, src=first, group=group)
+        torch.distributed.broadcast(seed, src=0)
         seed_all_(int(seed.item()))
         self._rng_seed = int(seed.item())
+        if self.tensor_parallel > 1:  # each stage's blocks split over its tensor-parallel group (all split, then cut)
+            self._split_tensors()
         options = self.pipeline_options
         ranks = self.pipeline_parallel
         _check_microbatches(options, ranks)
@@ -402,8 +403,18 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         rank = mesh.get_local_rank()
         local = [s for s in range(plan.stages) if s % ranks == rank]
         blocks = install_pipeline_(self.model, plan, local)
+        data = self.device_mesh["data_parallel"]
+        if data.size() > 1:
+            # ZeRO-3 across the pipelines: each of this rank's blocks a FSDP2 unit over the data-parallel ranks
+            # (gathered per micro-batch in forward and backward, gradients reduce-scattered). What every stage holds
+            # stays whole: its gradients are averaged over the data-parallel ranks with the pipeline sum.
+            from torch.distributed.fsdp import fully_shard
+
+            for name in {n for s in local for n in plan.blocks(s)}:
+                fully_shard(blocks.get_submodule(name), mesh=data, reshard_after_forward=True)
         self.pipeline_plan = plan
-        self._pipeline = PipelineRunner(module, plan, blocks, group, options, self.root_device)
+        self._pipeline = PipelineRunner(module, plan, blocks, group, options, self.root_device,
+                                        data.get_group() if data.size() > 1 else None)  # fmt: skip
         self._sharded_root = False
         self._fsdp_comm = None
         self.barrier()
@@ -532,11 +543,6 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         inner = getattr(optimizer, "_optimizer", optimizer)
         if isinstance(inner, FlatShardedOptimizer):
             return inner.state_dict()  # DTensor partitions: DCP writes each rank's slice
-        if self._pipeline is not None:
-            from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-            assert self.model is not None
-            return get_optimizer_state_dict(self.model, inner, options=_pipeline_state_options())
         return self._saved_layout(super().optimizer_state(optimizer))
 
     def _saved_layout(self, state: dict[str, Any]) -> dict[str, Any]:
@@ -695,20 +701,26 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         assert self.model is not None
         # Targets to load into: this rank's shards, laid out as they were saved.
         state: dict[str, Any] = {"state_dict": get_model_state_dict(self.model)}
-        optim_options = _pipeline_state_options() if pipelined else None
         for i, optimizer in enumerate(self.optimizers):
             if isinstance(optimizer, FlatShardedOptimizer):
                 optimizer.init_state()
                 state[f"optimizer_{i}"] = optimizer.state_dict()
             else:
-                state[f"optimizer_{i}"] = get_optimizer_state_dict(self.model, optimizer, options=optim_options)
+                state[f"optimizer_{i}"] = get_optimizer_state_dict(self.model, optimizer)
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
         reader = FsspecReader(location) if _is_url(location) else dcp.FileSystemReader(location)
         # Packed projections load through views in their saved order, in place into the targets (whole tensors of
         # a swapped attention are copied back into its q/k/v).
         saved = {k: self._saved_layout(v) for k, v in state.items()}
+        # The param groups are stored once (all ranks' hyper-parameters agree), naming one rank's parameters: each
+        # pipeline stage keeps its own names.
+        own = {k: [g["params"] for g in v["param_groups"]] for k, v in saved.items() if "param_groups" in v}
         dcp.load(saved, storage_reader=reader)
+        if pipelined:
+            for k, names in own.items():
+                for group, params in zip(saved[k]["param_groups"], names, strict=True):
+                    group["params"] = params
         if packed:
             for k in state:
                 finish_load(saved[k], state[k], self._merged())
@@ -717,7 +729,7 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
             if isinstance(optimizer, FlatShardedOptimizer):
                 optimizer.load_state_dict(state[f"optimizer_{i}"])
             else:
-                set_optimizer_state_dict(self.model, optimizer, state[f"optimizer_{i}"], options=optim_options)
+                set_optimizer_state_dict(self.model, optimizer, state[f"optimizer_{i}"])
         with fsspec.open(f"{location.rstrip('/')}/{_METADATA_FILENAME}", "rb") as f:
             return torch.load(f, weights_only=bool(weights_only))
 
@@ -905,12 +917,12 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         return closure_loss
 
     def _optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        if self._pipeline is not None:
-            closure = _then(closure, self._pipeline.sync_replicated_grads)
         if self.tensor_parallel > 1 and not self._sharded_root:
             model = self.model
             assert model is not None
             closure = _then(closure, lambda: split_grads_(model))  # (FSDP2 shards them itself)
+        if self._pipeline is not None:  # after split_grads_: every stage's gradients in the parameters' placements
+            closure = _then(closure, self._pipeline.sync_replicated_grads)
         closure = self._closure_counting_state(closure, lambda: self._log_memory(optimizer))
         return super().optimizer_step(optimizer, closure, model, **kwargs)
 
@@ -986,14 +998,6 @@ def _check_tensor_parallel(degree: Any, stage: int, offload: bool, compressor: C
         )
 
 
-def _pipeline_state_options() -> Any:
-    """Optimizer states keyed per parameter (``param_groups`` too): each stage holds other parameters, so one
-    ``param_groups`` list per rank would collide in the shared checkpoint."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    return StateDictOptions(flatten_optimizer_state_dict=True, cpu_offload=True)
-
-
 def _check_pipeline(
     degree: Any,
     options: PipelineOptions | None,
@@ -1017,7 +1021,6 @@ def _check_pipeline(
             )
         return None
     refused = [
-        (tensor_parallel > 1, f"tensor_parallel={tensor_parallel}", "tensor_parallel"),
         (stage != 3, f"stage={stage}", "stage (use 3)"),
         (offload, "offload_optimizer/offload_params", "offloading"),
         (compressor is not None, "compression", "compression"),

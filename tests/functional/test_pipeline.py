@@ -125,7 +125,6 @@ def test_bubble_formula_and_the_replay_of_measured_actions():
     ("kwargs", "match"),
     [
         ({"pipeline_parallel": 0}, r"pipeline_parallel=0\)`: must be an integer >= 1"),
-        ({"pipeline_parallel": 2, "tensor_parallel": 2}, r"tensor_parallel=2\)` is not supported yet"),
         ({"pipeline_parallel": 2, "stage": 2}, r"stage=2\)` is not supported yet"),
         ({"pipeline_parallel": 2, "compression": "fp16"}, r"compression\)` is not supported yet"),
         (

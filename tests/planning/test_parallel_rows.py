@@ -54,3 +54,51 @@ def test_tensor_parallel_activations_split_the_regions_between_column_and_row_sp
     whole, split = rows["zero3"].activation_bytes, rows["zero3_tp2"].activation_bytes
     # Attention's heads and the MLP's hidden activation halve; block inputs, norms and logits do not.
     assert whole / 2 < split < whole * 0.8, (whole, split)
+
+
+def test_pipeline_rows_hold_each_stages_blocks_and_count_the_messages_exactly():
+    from lightning_bigtrain.planning.parallel import estimate_pipeline
+
+    model = CharGPT(n_layer=4, n_head=4, n_embd=64, block_size=32)
+    est = estimate_pipeline(model, 2, 2, torch.zeros(8, 32, dtype=torch.long))
+    blocks = sum(p.numel() for p in model.blocks.parameters())
+    outside = sum(p.numel() for p in model.parameters()) - blocks
+    assert est.numel == [outside + blocks // 2] * 2
+    # 4 micro-batches of 2 x 32 x 64 fp32 activations: each rank sends one message per micro-batch (stage 0 its
+    # outputs, stage 1 its input gradients); the embeddings' and head's gradients are summed once (an all-reduce).
+    assert est.hidden_bytes == 2 * 32 * 64 * 4
+    assert est.pipeline_bytes(0) == est.pipeline_bytes(1) == 4 * 2 * 32 * 64 * 4
+    assert est.reduce_bytes(4) == outside * 4  # 2 (p - 1) / p = 1 at p = 2
+    assert est.bubble == 1 / 5
+    # 1F1B holds 2 micro-batches on the first rank, 1 on the last; GPipe all 4 on both.
+    per_block = est.breakdown["blocks"][0]
+    assert est.activations(0) == 2 * (est.breakdown["before"] + 2 * per_block)
+    gpipe = estimate_pipeline(model, 2, 2, torch.zeros(8, 32, dtype=torch.long), schedule="gpipe")
+    assert gpipe.activations(1) == 4 * (est.breakdown["before"] + 2 * per_block + est.breakdown["after"])
+    rows = plan(model, devices=2, batch_shape=(8, 32), accelerator="cpu", compression=False)
+    pp2 = rows["zero3_pp2"]
+    assert pp2.bubble_fraction == 1 / 5 and pp2.comm_bytes_per_step == est.pipeline_bytes(0) + est.reduce_bytes(4)
+    assert pp2.model_states_bytes < rows["ddp"].model_states_bytes * 0.6
+
+
+def test_a_pipeline_row_is_recommended_only_when_nothing_else_fits():
+    from lightning_bigtrain.planning.planner import strategy_config
+
+    assert strategy_config("zero3_pp4") == {"class_path": "lightning_bigtrain.strategies.ZeroStrategy",
+                                            "init_args": {"stage": 3, "pipeline_parallel": 4}}  # fmt: skip
+    model = CharGPT(n_layer=4, n_head=4, n_embd=64, block_size=32)
+    roomy = plan(model, devices=2, batch_shape=(8, 32), accelerator="cpu", compression=False)
+    assert roomy.recommendation != "zero3_pp2" and any("bubble" in n for n in roomy.notes)
+    # Too little memory for anything but the pipeline's stage (states and 1F1B's two micro-batches in flight).
+    pp2 = roomy["zero3_pp2"]
+    others = min(r.peak_bytes for name, r in roomy.rows.items() if name != "zero3_pp2")
+    assert pp2.peak_bytes < others
+    tight = plan(model, devices=2, batch_shape=(8, 32), accelerator="cpu", compression=False,
+                 device_memory=int((pp2.peak_bytes + others) / 2))  # fmt: skip
+    assert tight.recommendation == "zero3_pp2"
+
+
+def test_a_model_that_cannot_be_cut_gets_no_pipeline_row_and_a_note():
+    rows = plan(FashionCNN(), devices=2, accelerator="cpu", compression=False)
+    assert "zero3_pp2" not in rows.rows
+    assert any(note.startswith("zero3_pp2: not estimated") for note in rows.notes)

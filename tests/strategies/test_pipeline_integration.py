@@ -39,21 +39,21 @@ class Logged(L.Callback):
         self.train.append(float(trainer.callback_metrics["train_loss"]))
 
 
-def _fit(devices: int, strategy: Any, steps: int, accumulate: int = 1) -> dict[str, Any]:
+def _fit(devices: int, strategy: Any, steps: int, accumulate: int = 1, batch: int = 8) -> dict[str, Any]:
     L.seed_everything(0, verbose=False)
     losses, logged = Losses(), Logged()
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, limit_val_batches=2,
                         val_check_interval=steps * accumulate, gradient_clip_val=0.5, enable_checkpointing=False,
                         accumulate_grad_batches=accumulate, callbacks=[losses, logged], **_QUIET)  # fmt: skip
-    data = (OneReplica if devices == 1 else ShakespeareDataModule)(block_size=32, batch_size=8, subset=2048)
+    data = (OneReplica if devices == 1 else ShakespeareDataModule)(block_size=32, batch_size=batch, subset=2048)
     trainer.fit(_model(), datamodule=data)
     bubble = getattr(trainer.strategy, "pipeline_bubble", None)
     return {"losses": losses.values, "logged": logged.train, "val": float(trainer.callback_metrics["val_loss"]),
             "bubble": bubble}  # fmt: skip
 
 
-def _single(rank: int, steps: int, accumulate: int = 1) -> dict[str, Any]:
-    return _fit(1, "auto", steps, accumulate)
+def _single(rank: int, steps: int, accumulate: int = 1, batch: int = 8) -> dict[str, Any]:
+    return _fit(1, "auto", steps, accumulate, batch)
 
 
 def _pp2(rank: int, schedule: str, steps: int, accumulate: int = 1) -> dict[str, Any]:
@@ -78,6 +78,31 @@ def test_interleaved_1f1b_with_gradient_accumulation_equals_a_single_process_run
     """Two stages per rank (4 in all); two batches accumulated per optimizer step."""
     expected = run_on_ranks(_single, 10, 2, world_size=1, init_process_group=False)[0]
     for r in run_on_ranks(_pp2, "interleaved_1f1b", 10, 2, init_process_group=False):
+        _assert_same(r["losses"], expected["losses"])
+
+
+def _pp2_tp2(rank: int, steps: int) -> dict[str, Any]:
+    return _fit(4, ZeroStrategy(pipeline_parallel=2, tensor_parallel=2), steps)
+
+
+def test_pp2_x_tp2_on_4_ranks_losses_equal_a_single_process_run():
+    """Each stage's blocks (and the vocabulary) split over a tensor-parallel pair; 4 ranks on 2 cores (oversubscribed).
+    Clipping by the norm over both axes; the replicated embeddings' split gradients summed over the pipeline."""
+    expected = run_on_ranks(_single, 20, world_size=1, init_process_group=False)[0]
+    for r in run_on_ranks(_pp2_tp2, 20, world_size=4, init_process_group=False):
+        _assert_same(r["losses"], expected["losses"])
+        assert abs(r["val"] - expected["val"]) / expected["val"] < 1e-4, (r["val"], expected["val"])
+
+
+def _dp2_pp2(rank: int, steps: int) -> dict[str, Any]:
+    return _fit(4, ZeroStrategy(pipeline_parallel=2), steps, batch=8)
+
+
+def test_dp2_x_pp2_on_4_ranks_losses_equal_a_single_process_run():
+    """Two pipelines, each stage's blocks ZeRO-3 sharded (FSDP2) across them; 4 ranks on 2 cores (oversubscribed).
+    The single process trains on both pipelines' batches at once."""
+    expected = run_on_ranks(_single, 20, 1, 16, world_size=1, init_process_group=False)[0]
+    for r in run_on_ranks(_dp2_pp2, 20, world_size=4, init_process_group=False):
         _assert_same(r["losses"], expected["losses"])
 
 
