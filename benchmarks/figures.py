@@ -286,7 +286,20 @@ def render_headline(results_dir: Path = RESULTS_DIR) -> str:
             f"{100 * tp2['sharded_fraction']:.1f}% of the char-GPT's block parameters, model states per rank "
             f"x{states:.2f} DDP's; states and tensor-parallel bytes x{tp2['states_over_planner']:.3f} / "
             f"x{tp2['tp_bytes_over_planner']:.3f} the planner's; throughput x{tp2['throughput_over_ddp']:.2f} DDP's on "
-            "2 CPU cores"
+            "2 CPU cores. [Pipeline parallelism](docs/parallel.md#pipeline-parallelism) (`pipeline_parallel=2`, 1F1B): "
+            + _pipeline_headline(f)
+        )
+
+    def _pipeline_headline(f: dict[str, Any]) -> str:
+        pp2, ddp = f.get("pp2"), f["ddp"]
+        if pp2 is None:
+            return "not measured yet"
+        states = max(pp2["model_state_bytes_per_rank"]) / max(ddp["model_state_bytes_per_rank"])
+        return (
+            f"model states per rank x{states:.2f} DDP's, x{pp2['states_over_planner']:.3f} the planner's; bytes sent "
+            f"x{pp2['pp_bytes_over_planner']:.3f} the planner's; bubble {pp2['bubble_median']:.3f} from the measured "
+            f"per-action times (planner {pp2['planner']['bubble']:.3f}); throughput x{pp2['throughput_over_ddp']:.2f} "
+            "DDP's"
         )
 
     item("zero.json", zero)
