@@ -170,6 +170,13 @@ class MagnitudePruning(L.Callback):
                 "the module would be undone silently. Use ZeroStrategy(engine='torch') (any stage), DDP or "
                 "CompressedDDPStrategy."
             )
+        if getattr(strategy, "pipeline_parallel", 1) > 1:
+            raise ValueError(
+                f"MagnitudePruning cannot prune under ZeroStrategy(pipeline_parallel={strategy.pipeline_parallel}) "
+                "yet: each stage holds part of the weights (and every stage the embeddings and head), so the "
+                "global magnitude threshold would be taken over one stage's weights. Prune with tensor_parallel or "
+                "ZeRO (any stage), DDP or CompressedDDPStrategy."
+            )
         self.names = self._choose(pl_module)
         if self.sparsity == 0.0:
             warn_once("MagnitudePruning(sparsity=0.0) prunes nothing; give a sparsity above 0.", NoEffectWarning)

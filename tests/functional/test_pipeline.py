@@ -158,3 +158,13 @@ def test_defaults():
     assert options.schedule == "1f1b" and options.microbatches_for(2) == 4 and options.virtual_stages == 1
     assert PipelineOptions(schedule="interleaved_1f1b").virtual_stages == 2
     assert ZeroStrategy(pipeline_parallel=2).pipeline_options == options
+
+
+def test_magnitude_pruning_refuses_a_pipeline_at_setup():
+    import lightning as L
+
+    from lightning_bigtrain.callbacks import MagnitudePruning
+
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=ZeroStrategy(pipeline_parallel=2), logger=False)
+    with pytest.raises(ValueError, match=r"cannot prune under ZeroStrategy\(pipeline_parallel=2\) yet"):
+        MagnitudePruning(0.5).setup(trainer, _gpt(), "fit")
