@@ -170,9 +170,10 @@ class MagnitudePruning(L.Callback):
                 "the module would be undone silently. Use ZeroStrategy(engine='torch') (any stage), DDP or "
                 "CompressedDDPStrategy."
             )
-        if getattr(strategy, "pipeline_parallel", 1) > 1:
+        stages = getattr(strategy, "pipeline_parallel", 1)
+        if stages > 1:
             raise ValueError(
-                f"MagnitudePruning cannot prune under ZeroStrategy(pipeline_parallel={strategy.pipeline_parallel}) "
+                f"MagnitudePruning cannot prune under ZeroStrategy(pipeline_parallel={stages}) "
                 "yet: each stage holds part of the weights (and every stage the embeddings and head), so the "
                 "global magnitude threshold would be taken over one stage's weights. Prune with tensor_parallel or "
                 "ZeRO (any stage), DDP or CompressedDDPStrategy."

@@ -583,8 +583,9 @@ def _owned_local(tensor: torch.Tensor) -> tuple[torch.Tensor, list[int], bool]:
     return local_view(tensor), list(offset), owner
 
 
-def _sharded(pieces: list[tuple[torch.Tensor, list[int]]], shape: tuple[int, ...]) -> torch.Tensor:
-    """A ``ShardedTensor`` of global ``shape`` from this rank's ``(view, offsets)`` pieces. Collective."""
+def _sharded(pieces: list[tuple[torch.Tensor, list[int]]], shape: tuple[int, ...], group: Any = None) -> torch.Tensor:
+    """A ``ShardedTensor`` of global ``shape`` from this rank's ``(view, offsets)`` pieces. Collective over ``group``
+    (the ranks holding the tensor; None: every rank)."""
     from torch.distributed._shard.metadata import ShardMetadata
     from torch.distributed._shard.sharded_tensor import Shard, init_from_local_shards
 
@@ -595,10 +596,10 @@ def _sharded(pieces: list[tuple[torch.Tensor, list[int]]], shape: tuple[int, ...
         )
         for view, at in pieces
     ]
-    return init_from_local_shards(shards, *shape)
+    return init_from_local_shards(shards, *shape, process_group=group)
 
 
-def unpacked_shards(tensor: torch.Tensor, pack: int, degree: int, dim: int = 0) -> torch.Tensor:
+def unpacked_shards(tensor: torch.Tensor, pack: int, degree: int, dim: int = 0, group: Any = None) -> torch.Tensor:
     """This rank's part of a split packed projection (a DTensor), addressed in the projection's own order.
 
     Returns a ``ShardedTensor`` whose local shards are *views* of the DTensor's local tensor, one per
@@ -610,10 +611,10 @@ def unpacked_shards(tensor: torch.Tensor, pack: int, degree: int, dim: int = 0) 
     if owner and local.numel():
         for at, index, length in _unpacked_segments(offset[dim], local.shape[dim], shape[dim] // pack, pack, degree):
             pieces.append((local.narrow(dim, at, length), [index if d == dim else o for d, o in enumerate(offset)]))
-    return _sharded(pieces, shape)
+    return _sharded(pieces, shape, group)
 
 
-def merged_shards(tensors: list[torch.Tensor]) -> torch.Tensor:
+def merged_shards(tensors: list[torch.Tensor], group: Any = None) -> torch.Tensor:
     """DTensors split (or sharded) along dimension 0, as one tensor concatenated along it (each after the previous
     ones): a ``ShardedTensor`` whose local shards are views of the DTensors' local tensors (saved as the
     concatenation would be; loaded into in place). Collective."""
@@ -623,17 +624,22 @@ def merged_shards(tensors: list[torch.Tensor]) -> torch.Tensor:
         if owner and local.numel():
             pieces.append((local, [base + offset[0], *offset[1:]]))
         base += tensor.shape[0]
-    return _sharded(pieces, (base, *tensors[0].shape[1:]))
+    return _sharded(pieces, (base, *tensors[0].shape[1:]), group)
 
 
 def saved_layout(
-    state: dict, packed: dict[str, tuple[int, int]], degree: int, merged: dict[str, list[str]] | None = None
+    state: dict,
+    packed: dict[str, tuple[int, int]],
+    degree: int,
+    merged: dict[str, list[str]] | None = None,
+    group: Any = None,
 ) -> dict:
     """A model or optimizer state dict (fully qualified names) in the layout of the module as written: each split
     packed projection's tensors in the projection's own order (whole tensors reordered by :func:`unpack_rows`,
     DTensors as :func:`unpacked_shards` views); and, for ``merged`` (``{name: [source names]}``, e.g. a swapped
     ``nn.MultiheadAttention``'s ``in_proj_weight`` from its q/k/v projections), the sources as one entry (whole
-    tensors concatenated, DTensors as :func:`merged_shards` views). Other entries pass through."""
+    tensors concatenated, DTensors as :func:`merged_shards` views). Other entries pass through. ``group``: the ranks
+    holding these tensors (a pipeline stage's; None: every rank), over which the views' metadata is gathered."""
     merged = merged or {}
     sources = {src for names in merged.values() for src in names}
 
@@ -642,7 +648,7 @@ def saved_layout(
             return value
         pack, dim = packed[name]
         if hasattr(value, "placements"):
-            return unpacked_shards(value, pack, degree, dim)
+            return unpacked_shards(value, pack, degree, dim, group)
         return unpack_rows(value, pack, degree, dim)
 
     def join(values: list[object]) -> object:
@@ -650,7 +656,7 @@ def saved_layout(
         if not isinstance(first, torch.Tensor) or first.ndim == 0:
             return first  # e.g. the optimizer's step count: the same for every source
         tensors = [v for v in values if isinstance(v, torch.Tensor)]
-        return merged_shards(tensors) if hasattr(first, "placements") else torch.cat(tensors)
+        return merged_shards(tensors, group) if hasattr(first, "placements") else torch.cat(tensors)
 
     if isinstance(state.get("state"), dict) and "param_groups" in state:  # an optimizer's
         per_param = {

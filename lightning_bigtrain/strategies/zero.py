@@ -220,6 +220,7 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         self.pipeline_options = pipeline
         self.pipeline_plan: PipelinePlan | None = None
         self._pipeline: PipelineRunner | None = None
+        self._stage_group: Any = None  # with a pipeline: the ranks of this rank's stage (every data and tensor rank)
         self.offload_optimizer = offload_optimizer or offload_params
         self.offload_params = offload_params
         self.min_wrap_params = min_wrap_params
@@ -381,6 +382,10 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
             )
         mesh = self.device_mesh["pipeline_parallel"]
         group = mesh.get_group()
+        for ranks in self.device_mesh.mesh.reshape(self.pipeline_parallel, -1).tolist():  # (every rank creates each)
+            stage_group = torch.distributed.new_group(ranks)
+            if self.global_rank in ranks:
+                self._stage_group = stage_group
         for tensor in self.model.state_dict(keep_vars=True).values():  # rank 0's weights and seed everywhere
             torch.distributed.broadcast(tensor.data, src=0)
         seed = torch.tensor([torch.initial_seed() % 2**62], dtype=torch.int64, device=self.root_device)
@@ -552,7 +557,7 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         if not self._layout_differs:
             return state
         assert plan is not None
-        return saved_layout(state, plan.packed(), plan.degree, self._merged())
+        return saved_layout(state, plan.packed(), plan.degree, self._merged(), self._stage_group)
 
     @property
     def _layout_differs(self) -> bool:

@@ -39,14 +39,24 @@ class Logged(L.Callback):
         self.train.append(float(trainer.callback_metrics["train_loss"]))
 
 
-def _fit(devices: int, strategy: Any, steps: int, accumulate: int = 1, batch: int = 8) -> dict[str, Any]:
+def _fit(
+    devices: int,
+    strategy: Any,
+    steps: int,
+    accumulate: int = 1,
+    batch: int = 8,
+    callbacks: tuple[L.Callback, ...] = (),
+    ckpt_path: str | None = None,
+) -> dict[str, Any]:
     L.seed_everything(0, verbose=False)
     losses, logged = Losses(), Logged()
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, limit_val_batches=2,
-                        val_check_interval=steps * accumulate, gradient_clip_val=0.5, enable_checkpointing=False,
-                        accumulate_grad_batches=accumulate, callbacks=[losses, logged], **_QUIET)  # fmt: skip
+                        val_check_interval=steps * accumulate, gradient_clip_val=0.5,
+                        enable_checkpointing=bool(callbacks), accumulate_grad_batches=accumulate,
+                        callbacks=[losses, logged, *callbacks],
+                        **_QUIET)  # fmt: skip
     data = (OneReplica if devices == 1 else ShakespeareDataModule)(block_size=32, batch_size=batch, subset=2048)
-    trainer.fit(_model(), datamodule=data)
+    trainer.fit(_model(), datamodule=data, ckpt_path=ckpt_path)
     bubble = getattr(trainer.strategy, "pipeline_bubble", None)
     return {"losses": losses.values, "logged": logged.train, "val": float(trainer.callback_metrics["val_loss"]),
             "bubble": bubble}  # fmt: skip
@@ -81,17 +91,23 @@ def test_interleaved_1f1b_with_gradient_accumulation_equals_a_single_process_run
         _assert_same(r["losses"], expected["losses"])
 
 
-def _pp2_tp2(rank: int, steps: int) -> dict[str, Any]:
-    return _fit(4, ZeroStrategy(pipeline_parallel=2, tensor_parallel=2), steps)
+def _pp2_tp2(rank: int, steps: int, folder: str) -> dict[str, Any]:
+    every = ModelCheckpoint(dirpath=folder, filename="{step}", every_n_train_steps=steps // 2, save_top_k=-1)
+    straight = _fit(4, ZeroStrategy(pipeline_parallel=2, tensor_parallel=2), steps, callbacks=(every,))
+    resumed = _fit(4, ZeroStrategy(pipeline_parallel=2, tensor_parallel=2), steps,
+                   ckpt_path=f"{folder}/step={steps // 2}.ckpt")  # fmt: skip
+    return {**straight, "resumed": resumed["losses"]}
 
 
-def test_pp2_x_tp2_on_4_ranks_losses_equal_a_single_process_run():
+def test_pp2_x_tp2_on_4_ranks_losses_equal_a_single_process_run_and_resume_exactly(tmp_path):
     """Each stage's blocks (and the vocabulary) split over a tensor-parallel pair; 4 ranks on 2 cores (oversubscribed).
-    Clipping by the norm over both axes; the replicated embeddings' split gradients summed over the pipeline."""
+    Clipping by the norm over both axes; the replicated embeddings' split gradients summed over the pipeline. The
+    mid-run checkpoint (packed q/k/v saved in their own order by each stage's ranks) resumes bit-identically."""
     expected = run_on_ranks(_single, 20, world_size=1, init_process_group=False)[0]
-    for r in run_on_ranks(_pp2_tp2, 20, world_size=4, init_process_group=False):
+    for r in run_on_ranks(_pp2_tp2, 20, str(tmp_path), world_size=4, init_process_group=False):
         _assert_same(r["losses"], expected["losses"])
         assert abs(r["val"] - expected["val"]) / expected["val"] < 1e-4, (r["val"], expected["val"])
+        assert r["resumed"] == r["losses"][10:], (r["resumed"], r["losses"][10:])
 
 
 def _dp2_pp2(rank: int, steps: int) -> dict[str, Any]:
