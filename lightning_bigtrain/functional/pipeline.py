@@ -308,7 +308,7 @@ def bubble_fraction(schedule: Schedule, stages: int, microbatches: int, stages_p
     return (stages - 1) / (v * microbatches + stages - 1)
 
 
-def simulated_bubble(actions: dict[int, list[tuple[int, str, int, float]]], stages: int) -> float:
+def simulated_bubble(actions: dict[int, list[tuple[int, str, int, float]]], stages: int, steady: bool = False) -> float:
     """The idle fraction of a pipeline whose ranks ran ``actions`` in order, each taking its measured time.
 
     ``actions[rank]`` lists ``(stage, kind, microbatch, seconds)`` with ``kind`` ``"F"`` or ``"B"``. An action
@@ -316,7 +316,19 @@ def simulated_bubble(actions: dict[int, list[tuple[int, str, int, float]]], stag
     (same micro-batch); ``B`` needs ``B`` of stage ``s + 1`` (the last stage's ``B`` needs its own ``F``). The
     result is ``1 - busy / (ranks x makespan)``: the schedule's bubble at the measured action times, free of the
     host's scheduling noise (on oversubscribed CPU cores the wall clock measures the OS, not the pipeline).
+
+    ``steady``: each action takes the median time of its stage's actions of its kind instead of its own (on shared
+    CPU cores an action that runs while the other ranks idle gets their cores too, and shrinks the bubble it is in).
     """
+    if steady:
+        import statistics
+
+        times: dict[tuple[int, str], list[float]] = {}
+        for acts in actions.values():
+            for stage, kind, _, seconds in acts:
+                times.setdefault((stage, kind), []).append(seconds)
+        median = {key: statistics.median(values) for key, values in times.items()}
+        actions = {r: [(s, k, m, median[(s, k)]) for s, k, m, _ in acts] for r, acts in actions.items()}
     done: dict[tuple[int, str, int], float] = {}
     free = dict.fromkeys(actions, 0.0)
     position = dict.fromkeys(actions, 0)

@@ -175,11 +175,13 @@ class PipelineEstimate:
     The cut is :func:`~lightning_bigtrain.functional.pipeline.plan_pipeline`'s (as the strategy cuts). Per rank:
 
     * **Model states**, exact: the blocks of this rank's stages, plus everything outside the block container
-      (embeddings, head, norms: every stage holds them).
+      (embeddings, head, norms: every stage holds them); with ``world / P`` pipelines, each block is a ZeRO-3 unit
+      across them (FSDP2's shard: dimension 0 padded to a multiple of the replicas).
     * **Pipeline bytes**, exact: each micro-batch's activation is sent to the next stage in forward and its gradient
       to the previous one in backward, both of the blocks' input's shape and dtype (measured on fake tensors at the
       micro-batch size); and once per step the gradients of what every stage holds are summed over the pipeline
-      group (an all-reduce).
+      group (an all-reduce). Across pipelines, each block is gathered twice and its gradient reduce-scattered per
+      micro-batch, and what every stage holds is averaged (an all-reduce).
     * **Activations**: measured on fake tensors at the micro-batch size, cut where the blocks begin and end: a
       stage saves the part before the blocks (every stage runs it), its own blocks' and, on the last stage, the part
       after; times the micro-batches in flight (GPipe: all ``m``; 1F1B on rank ``r``: ``min(p - r, m)``; the
@@ -201,11 +203,10 @@ class PipelineEstimate:
     ) -> None:
         from lightning_bigtrain.functional.pipeline import bubble_fraction, plan_pipeline
 
-        if world != degree:
-            raise ValueError(
-                f"pipeline_parallel={degree} on {world} ranks: data parallelism across pipelines is not supported yet"
-            )
+        if world % degree:
+            raise ValueError(f"pipeline_parallel={degree} does not divide the world size {world}")
         self.degree, self.schedule = degree, schedule
+        self.data_parallel = dp = world // degree
         self.microbatches = microbatches if microbatches is not None else 2 * degree
         self.virtual = stages_per_rank if schedule == "interleaved_1f1b" else 1
         self.plan = plan_pipeline(model, degree * self.virtual)
@@ -218,11 +219,22 @@ class PipelineEstimate:
         self.numel: list[int] = []
         self.numel_trainable: list[int] = []
         self.tensors: list[int] = []
+        self.unit_numel: list[int] = []  # the rank's blocks gathered whole (padded), per micro-batch's all-gather
+        self.largest_unit: list[int] = []  # the rank's largest block (gathered whole while it computes)
+
+        def shard(p: torch.Tensor) -> int:  # FSDP2: dimension 0 padded to a multiple of the replicas
+            shape = list(p.shape) or [1]
+            return math.ceil(shape[0] / dp) * math.prod(shape[1:]) if dp > 1 else p.numel()
+
         for stages in self.local_stages:
-            params = list(outside) + [p for s in stages for n in self.plan.blocks(s) for p in blocks[n].parameters()]
-            self.numel.append(sum(p.numel() for p in params))
-            self.numel_trainable.append(sum(p.numel() for p in params if p.requires_grad))
-            self.tensors.append(sum(1 for p in params if p.requires_grad))
+            inner = [p for s in stages for n in self.plan.blocks(s) for p in blocks[n].parameters()]
+            self.numel.append(sum(p.numel() for p in outside) + sum(shard(p) for p in inner))
+            self.numel_trainable.append(sum(p.numel() for p in outside if p.requires_grad)
+                                        + sum(shard(p) for p in inner if p.requires_grad))  # fmt: skip
+            self.tensors.append(sum(1 for p in [*outside, *inner] if p.requires_grad))
+            self.unit_numel.append(sum(shard(p) * dp for p in inner))
+            self.largest_unit.append(max(sum(p.numel() for p in blocks[n].parameters())
+                                         for s in stages for n in self.plan.blocks(s)))  # fmt: skip
         self.bubble = bubble_fraction(schedule, degree, self.microbatches, self.virtual)  # type: ignore[arg-type]
         self.hidden_bytes = 0
         self.breakdown: dict[str, Any] = {}
@@ -257,9 +269,19 @@ class PipelineEstimate:
 
     def reduce_bytes(self, element_bytes: int) -> float:
         """Bytes each rank sends per step summing the gradients of what every stage holds (embeddings, head, norms)
-        over the pipeline group: an all-reduce, ring equivalent ``2(p-1)/p`` of the message."""
-        p = self.degree
-        return 2 * (p - 1) / p * self.outside_trainable * element_bytes
+        over the pipeline group, then averaging them over the pipelines: all-reduces, ring equivalent ``2(k-1)/k`` of
+        the message over ``k`` ranks."""
+        p, d = self.degree, self.data_parallel
+        return (2 * (p - 1) / p + 2 * (d - 1) / d) * self.outside_trainable * element_bytes
+
+    def sharding_bytes(self, rank: int, param_bytes: int, grad_bytes: int) -> float:
+        """Bytes ``rank`` sends per step in ZeRO-3 across the pipelines: per micro-batch, its blocks gathered for
+        forward and again for backward, and their gradients reduce-scattered (ring equivalent ``(d-1)/d``)."""
+        d = self.data_parallel
+        if d == 1:
+            return 0.0
+        whole = self.unit_numel[rank]
+        return self.microbatches * (d - 1) / d * whole * (2 * param_bytes + grad_bytes)
 
     def in_flight(self, rank: int) -> int | None:
         """Micro-batches whose activations ``rank`` holds at once (None: the interleaved schedule, not estimated)."""

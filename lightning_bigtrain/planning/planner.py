@@ -598,6 +598,7 @@ def measure_activations(
 
 def _pipeline_row(
     model: nn.Module,
+    degree: int,
     n: int,
     batch_shape: tuple[int, ...] | None,
     input_dtype: torch.dtype,
@@ -611,26 +612,33 @@ def _pipeline_row(
     memory: float,
     notes: list[str],
 ) -> PlanRow | None:
-    """``zero3_pp{n}``: the model cut into ``n`` pipeline stages (1F1B, ``2n`` micro-batches), the busiest rank's
-    figures (:class:`~lightning_bigtrain.planning.parallel.PipelineEstimate`)."""
-    name = f"zero3_pp{n}"
+    """``zero3_pp{degree}``: the model cut into ``degree`` pipeline stages (1F1B, ``2 x degree`` micro-batches), ZeRO-3
+    across the ``n / degree`` pipelines; the busiest rank's figures
+    (:class:`~lightning_bigtrain.planning.parallel.PipelineEstimate`)."""
+    name = f"zero3_pp{degree}"
     example = torch.zeros(tuple(batch_shape), dtype=input_dtype) if batch_shape is not None else None
     try:
-        est = estimate_pipeline(model, n, n, example, precision=precision)
+        est = estimate_pipeline(model, degree, n, example, precision=precision)
     except Exception as err:  # no block container, too few blocks, an indivisible batch: no row
         notes.append(f"{name}: not estimated ({type(err).__name__}: {err})")
         return None
     worst: PlanRow | None = None
-    for r in range(n):
+    for r in range(degree):
         p_dev, g_dev = est.numel[r] * p_bytes, est.numel_trainable[r] * g_bytes
         s_dev = est.numel_trainable[r] * state_per_param + est.tensors[r] * step_bytes
         p2p = est.pipeline_bytes(r)
         messages = p2p / est.hidden_bytes if est.hidden_bytes else 0
         reduce = est.reduce_bytes(g_bytes)
-        sent = p2p + reduce
-        seconds = messages * latency + 2 * (n - 1) * latency + sent / beta
+        sharding = est.sharding_bytes(r, p_bytes, g_bytes)
+        sent = p2p + reduce + sharding
+        units = sum(len(est.plan.blocks(s)) for s in est.local_stages[r])
+        collectives = 2 * (degree - 1) + 2 * (n // degree - 1) + 3 * est.microbatches * units * (n // degree - 1)
+        seconds = (messages + collectives) * latency + sent / beta
         activations = est.activations(r) or 0.0
-        row = PlanRow(name, p_dev, g_dev, s_dev, activations, 0.0, 0.0, sent, seconds, 0.0, fits=False,
+        # Across pipelines: the gathered block and the prefetched next, and a block's unsharded gradients.
+        unit = est.largest_unit[r]
+        transient = (2 * unit * p_bytes + unit * g_bytes) if est.data_parallel > 1 else 0.0
+        row = PlanRow(name, p_dev, g_dev, s_dev, activations, transient, 0.0, sent, seconds, 0.0, fits=False,
                       bubble_fraction=est.bubble)  # fmt: skip
         if worst is None or row.peak_bytes > worst.peak_bytes:
             worst = row
@@ -911,11 +919,12 @@ def _plan(model_or_num_params: nn.Module | int, cluster: Cluster, workload: Work
             rows[name] = PlanRow(**{**row.__dict__, "fits": row.peak_bytes <= memory})
             if not est.messages:
                 notes.append(f"{name}: tensor-parallel bytes need batch_shape (left out)")
-    if isinstance(model_or_num_params, nn.Module) and num_nodes == 1 and n > 1:
-        row_pp = _pipeline_row(model_or_num_params, n, batch_shape, input_dtype, precision, p_bytes, g_bytes,
-                               state_per_param, step_bytes, beta, latency, memory, notes)  # fmt: skip
-        if row_pp is not None:
-            rows[row_pp.strategy] = row_pp
+    if isinstance(model_or_num_params, nn.Module) and n > 1:
+        for degree in [d for d in range(2, n + 1) if n % d == 0]:
+            row_pp = _pipeline_row(model_or_num_params, degree, n, batch_shape, input_dtype, precision, p_bytes,
+                                   g_bytes, state_per_param, step_bytes, beta, latency, memory, notes)  # fmt: skip
+            if row_pp is not None:
+                rows[row_pp.strategy] = row_pp
     if accelerator == "cpu":
         notes.append("on CPU, offloading has nothing to move: the offload rows are ZeRO-3 (FSDP2) without offload")
     compressed: dict[str, PlanRow] = {}

@@ -418,11 +418,12 @@ class PipelineRunner:
         torch.distributed.all_gather_object(gathered, self._actions, group=self.group)
         self.timings = dict(enumerate(gathered))
 
-    def bubble(self) -> float:
-        """The last training batch's bubble: :func:`simulated_bubble` over every rank's measured action times."""
+    def bubble(self, steady: bool = False) -> float:
+        """The last training batch's bubble: :func:`simulated_bubble` over every rank's measured action times
+        (``steady``: each stage's median time per kind of action)."""
         if not self.timings:
             return math.nan
-        return simulated_bubble(self.timings, self.stages)
+        return simulated_bubble(self.timings, self.stages, steady)
 
 
 def _mean(values: list[Any]) -> Any:

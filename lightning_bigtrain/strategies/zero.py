@@ -964,13 +964,17 @@ class _FullWeightsLauncher(_MultiProcessingLauncher):
 
         callback = trainer.checkpoint_callback
         best_model_path = getattr(callback, "best_model_path", None) if callback else None
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        state_dict = get_model_state_dict(trainer.lightning_module, options=options)  # collective: every rank
         strategy = self._strategy
+        pipelined = isinstance(strategy, ZeroStrategy) and strategy._pipeline is not None
+        # (cpu_offload would give rank 0 alone the state: with a pipeline every stage's rank 0 must give its blocks)
+        options = StateDictOptions(full_state_dict=True, cpu_offload=not pipelined)
+        state_dict = get_model_state_dict(trainer.lightning_module, options=options)  # collective: every rank
+        if pipelined:
+            state_dict = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in state_dict.items()}
         if isinstance(strategy, ZeroStrategy):
             # The main process holds the module as written: packed q/k/v in their own order, torch's attention.
             state_dict = strategy._saved_layout(state_dict)
-            if strategy._pipeline is not None:  # each stage holds its own blocks: gather them all
+            if pipelined:  # each stage holds its own blocks: gather them all
                 parts: list[Any] = [None] * strategy.world_size
                 torch.distributed.all_gather_object(parts, state_dict)
                 state_dict = {k: v for part in parts for k, v in part.items()}

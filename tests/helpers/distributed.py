@@ -81,6 +81,19 @@ def _destroy_process_group() -> None:
         _release_stale_deepspeed_groups(force=True)
 
 
+def _clear_dtensor_caches() -> None:
+    """DTensor caches sharding and redistribution plans keyed by ``DeviceMesh``, whose equality ignores its process
+    groups: a later task's mesh over the same ranks would reuse plans naming the destroyed task's groups (another
+    group, or none, under the same name)."""
+    if "torch.distributed.tensor" not in sys.modules:
+        return
+    from torch.distributed.tensor._redistribute import _gen_transform_infos
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+    _gen_transform_infos.cache_clear()
+
+
 def _worker(rank: int, world_size: int, conn: Connection) -> None:
     torch.set_num_threads(1)
     env = dict(os.environ)
@@ -101,6 +114,7 @@ def _worker(rank: int, world_size: int, conn: Connection) -> None:
             sys.stderr.flush()
             os._exit(1)
         _destroy_process_group()
+        _clear_dtensor_caches()
         try:
             payload = pickle.dumps((status, value))
         except Exception:

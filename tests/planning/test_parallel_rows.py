@@ -102,3 +102,22 @@ def test_a_model_that_cannot_be_cut_gets_no_pipeline_row_and_a_note():
     rows = plan(FashionCNN(), devices=2, accelerator="cpu", compression=False)
     assert "zero3_pp2" not in rows.rows
     assert any(note.startswith("zero3_pp2: not estimated") for note in rows.notes)
+
+
+def test_pipelines_across_data_parallel_replicas_shard_their_blocks_and_count_zero3_bytes():
+    from lightning_bigtrain.planning.parallel import estimate_pipeline
+
+    model = CharGPT(n_layer=4, n_head=4, n_embd=64, block_size=32)
+    one = estimate_pipeline(model, 2, 2, torch.zeros(8, 32, dtype=torch.long))
+    two = estimate_pipeline(model, 2, 4, torch.zeros(8, 32, dtype=torch.long))
+    blocks = sum(p.numel() for p in model.blocks.parameters())
+    outside = sum(p.numel() for p in model.parameters()) - blocks
+    # Every dimension 0 in CharGPT's blocks is even: the halves are exact.
+    assert two.numel == [outside + blocks // 4] * 2 and one.numel == [outside + blocks // 2] * 2
+    # Per micro-batch (4): the stage's two blocks gathered twice and reduce-scattered, half of each sent (d = 2).
+    assert two.sharding_bytes(0, 4, 4) == 4 * 0.5 * (blocks // 2) * 12
+    assert two.reduce_bytes(4) == (1 + 1) * outside * 4 and one.sharding_bytes(0, 4, 4) == 0.0
+    rows = plan(model, devices=4, batch_shape=(8, 32), accelerator="cpu", compression=False)
+    assert {"zero3_pp2", "zero3_pp4"} <= set(rows.rows)
+    assert rows["zero3_pp2"].comm_bytes_per_step == (two.pipeline_bytes(0) + two.reduce_bytes(4)
+                                                     + two.sharding_bytes(0, 4, 4))  # fmt: skip
