@@ -209,12 +209,18 @@ class _BlockView:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._owner._template, name)
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError(
-            f"`{self._owner.container}[{self._index!r}](...)`: under pipeline parallelism the blocks of "
-            f"`{self._owner.container}` are spread over the stages, so the step must run them by iterating the "
+    def _refuse(self) -> RuntimeError:
+        return RuntimeError(
+            f"`{self._owner.container}[{self._index!r}]`: under pipeline parallelism the blocks of "
+            f"`{self._owner.container}` are spread over the stages, so the step must run all of them by iterating the "
             f"container (`for block in {self._owner.container}: ...`) or calling it (`{self._owner.container}(x)`)."
         )
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise self._refuse()
+
+    def __iter__(self) -> Iterator[Any]:
+        raise self._refuse()
 
 
 class PipelinedBlocks(nn.Module):
@@ -246,9 +252,13 @@ class PipelinedBlocks(nn.Module):
         yield self
 
     def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice) and range(len(self._names))[index] == range(len(self._names)):
+            return self  # every block (Hugging Face's Llama iterates `layers[:num_hidden_layers]`)
         return _BlockView(self, index)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the current stage's blocks (see :class:`StageRun`). A block is called with the hidden state first,
+        then the step's other arguments, and must return the hidden state (or a tuple of it and non-tensors)."""
         run = self.run
         if run is None:
             raise RuntimeError(
@@ -275,6 +285,13 @@ class PipelinedBlocks(nn.Module):
         for name in run.names:
             out = self._modules[name](x, *rest, **kwargs)  # type: ignore[misc]
             x = out[0] if isinstance(out, (tuple, list)) else out
+            if isinstance(out, (tuple, list)) and any(isinstance(o, torch.Tensor) for o in out[1:]):
+                raise ValueError(
+                    f"pipeline_parallel: `{self.container}`'s blocks return {len(out)} values with tensors beyond the "
+                    "hidden state (e.g. T5's position bias, or key/value caches with use_cache=True); the step may "
+                    "give them to the next block, but the stages pass only the hidden state. Switch the extra outputs "
+                    "off (use_cache=False), or use tensor_parallel / ZeRO for this model."
+                )
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"`{self.container}`'s blocks must return a tensor (or a tuple starting with one).")
         if run.meta is not None and (x.shape, x.dtype) != run.meta:

@@ -88,6 +88,9 @@ def test_the_stand_in_refuses_what_would_compute_the_wrong_thing():
     with pytest.raises(RuntimeError, match=r"by iterating the container"):
         model.blocks[3](torch.randn(1, 8, 16))
     assert model.blocks[3].ln1.normalized_shape == (16,)  # attributes are readable (nn.TransformerEncoder reads them)
+    assert model.blocks[:4] is stub and model.blocks[0:] is stub  # every block: the stage's, as iterating
+    with pytest.raises(RuntimeError, match=r"must run all of them"):
+        list(model.blocks[:2])
     stub.run = StageRun(("0", "1"), None, last=True, meta=(torch.Size([1, 8, 15]), torch.float32))
     with pytest.raises(ValueError, match=r"changed the hidden state from \(1, 8, 15\)"):
         stub(torch.randn(1, 8, 16))
@@ -168,3 +171,23 @@ def test_magnitude_pruning_refuses_a_pipeline_at_setup():
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=ZeroStrategy(pipeline_parallel=2), logger=False)
     with pytest.raises(ValueError, match=r"cannot prune under ZeroStrategy\(pipeline_parallel=2\) yet"):
         MagnitudePruning(0.5).setup(trainer, _gpt(), "fit")
+
+
+class PassesBias(nn.Module):
+    """A block whose second output the step would give to the next block (T5's position bias)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.linear(x), x.sum(-1)
+
+
+def test_blocks_that_return_more_tensors_than_the_hidden_state_are_refused():
+    model = nn.Module()
+    model.layers = nn.ModuleList([PassesBias(), PassesBias()])
+    stub = install_pipeline_(model, plan_pipeline(model, 2), [0])
+    stub.run = StageRun(("0",), None, last=False)
+    with pytest.raises(ValueError, match=r"tensors beyond the hidden state \(e.g. T5's position bias"):
+        stub(torch.randn(2, 4))

@@ -126,7 +126,7 @@ def _families(rank: int, devices: int) -> dict[str, Any]:
     from benchmarks.conformance import FAMILIES, _build, _data
 
     out = {}
-    for family in ("hf_gpt2", "lightning_demo_transformer", "tv_vit"):
+    for family in ("hf_gpt2", "hf_llama", "lightning_demo_transformer", "tv_vit"):
         L.seed_everything(0, verbose=False)
         model = _no_dropout(_build(FAMILIES[family], 0))
         losses = Losses()
@@ -141,8 +141,9 @@ def _families(rank: int, devices: int) -> dict[str, Any]:
 
 
 def test_models_we_did_not_write_run_as_on_one_process_under_pp2():
-    """Hugging Face GPT-2 (tied LM head: its gradient is summed from both stages), Lightning's demo Transformer
-    (the decoder's layers cut; the encoder whole on both stages, named in a warning), torchvision's ViT."""
+    """Hugging Face GPT-2 (tied LM head: its gradient is summed from both stages), Hugging Face Llama (rotary position
+    embeddings given to every block, `layers[:n]` iterated), Lightning's demo Transformer (the decoder's layers cut;
+    the encoder whole on both stages, named in a warning), torchvision's ViT."""
     pytest.importorskip("transformers")
     expected = run_on_ranks(_families, 1, world_size=1, init_process_group=False)[0]
     for r in run_on_ranks(_families, 2, init_process_group=False):
