@@ -244,21 +244,10 @@ class PipelineEstimate:
             self._measure(model, list(blocks.values()), example[: example.shape[0] // self.microbatches], precision)
 
     def _measure(self, model: nn.Module, blocks: list[nn.Module], micro: torch.Tensor, precision: str) -> None:
-        from torch._subclasses.fake_tensor import FakeTensorMode
-
         from lightning_bigtrain.planning.planner import measure_activations
 
-        found: list[torch.Tensor] = []
-        hook = blocks[0].register_forward_pre_hook(lambda m, args: found.append(args[0]))
-        try:
-            with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True) as mode:
-                params = {n: mode.from_tensor(p) for n, p in model.named_parameters()}
-                buffers = {n: mode.from_tensor(b) for n, b in model.named_buffers()}
-                torch.func.functional_call(model, {**params, **buffers}, (mode.from_tensor(micro),))
-        finally:
-            hook.remove()
-        self.hidden_bytes = int(found[0].numel() * found[0].element_size())
         measure_activations(model, micro, checkpoint_blocks=blocks, precision=precision, breakdown=self.breakdown)
+        self.hidden_bytes = int(self.breakdown["hidden"])
 
     def pipeline_bytes(self, rank: int) -> float:
         """Bytes ``rank`` sends per step: an activation forward from each stage but the last, a gradient back from

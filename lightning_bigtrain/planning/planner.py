@@ -485,7 +485,8 @@ def measure_activations(
     activation, the row module's input) is split ``T`` ways; the rest is whole on every rank.
 
     ``breakdown``: a dict filled with ``"before"`` (bytes saved before the first of ``checkpoint_blocks`` runs),
-    ``"blocks"`` (each block's) and ``"after"`` (the rest): a pipeline stage's share (planner rows ``pp{P}``).
+    ``"blocks"`` (each block's), ``"after"`` (the rest), and ``"hidden"`` (the bytes of the first block's first
+    input): a pipeline stage's share and message (planner rows ``zero3_pp{P}``).
 
     Parameters are not counted (they are model states). Raises on models that cannot run on fake tensors.
     """
@@ -534,6 +535,8 @@ def measure_activations(
         def before(module: nn.Module, args: tuple[Any, ...], start: list[float] = start) -> None:
             start.append(total())
             starts.append(start[-1])
+            if breakdown is not None and "hidden" not in breakdown and args and isinstance(args[0], torch.Tensor):
+                breakdown["hidden"] = float(args[0].numel() * args[0].element_size())
             block_inputs.append(float(sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))))
 
         def after(module: nn.Module, args: tuple[Any, ...], out: Any, start: list[float] = start) -> None:

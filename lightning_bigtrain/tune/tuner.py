@@ -693,7 +693,7 @@ def _plan_row(strategy: Any, rows: Mapping[str, Any]) -> str:
         compressed = strategy.removeprefix("bigtrain_")  # bigtrain_ddp_powersgd -> the ddp_powersgd row
         if strategy.startswith("bigtrain_ddp_") and compressed in rows:
             return compressed
-        if strategy.startswith("bigtrain_zero3_tp") and compressed in rows:  # tensor parallelism
+        if strategy.startswith(("bigtrain_zero3_tp", "bigtrain_zero3_pp")) and compressed in rows:  # TP / pipeline
             return compressed
         raise _Unplannable(f"the planner has no row for strategy {strategy!r}")
     if _is_class(strategy, "ZeroStrategy"):
@@ -701,9 +701,13 @@ def _plan_row(strategy: Any, rows: Mapping[str, Any]) -> str:
         stage = int(args.get("stage", 3))
         offload = bool(args.get("offload_optimizer") or args.get("offload_params"))
         row = f"zero{stage}" + ("_offload" if offload and stage >= 2 else "")
-        degree = int(args.get("tensor_parallel", 1))
+        degree, stages = int(args.get("tensor_parallel", 1)), int(args.get("pipeline_parallel", 1))
+        if degree > 1 and stages > 1:
+            raise _Unplannable("the planner has no row for tensor and pipeline parallelism together")
         if degree > 1:
             row = f"zero3_tp{degree}"
+        if stages > 1:
+            row = f"zero3_pp{stages}"
         if row in rows:
             return row
     if _is_class(strategy, "DDPStrategy"):

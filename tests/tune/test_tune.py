@@ -278,6 +278,14 @@ def test_each_strategy_spelling_maps_to_its_planner_row():
     assert _plan_row("bigtrain_zero3_tp2", rows) == "zero3_tp2"
     tp4 = {"class_path": "lightning_bigtrain.strategies.ZeroStrategy", "init_args": {"stage": 3, "tensor_parallel": 4}}
     assert _plan_row(tp4, rows) == "zero3_tp4"
+    rows.update(dict.fromkeys(["zero3_pp2"]))
+    assert _plan_row("bigtrain_zero3_pp2", rows) == "zero3_pp2"
+    pp2 = {"class_path": "lightning_bigtrain.strategies.ZeroStrategy", "init_args": {"pipeline_parallel": 2}}
+    assert _plan_row(pp2, rows) == "zero3_pp2"
+    both = {"class_path": "lightning_bigtrain.strategies.ZeroStrategy",
+            "init_args": {"pipeline_parallel": 2, "tensor_parallel": 2}}  # fmt: skip
+    with pytest.raises(_Unplannable, match="tensor and pipeline parallelism together"):
+        _plan_row(both, rows)
     with pytest.raises(_Unplannable, match="no row for strategy 'fsdp'"):
         _plan_row("fsdp", rows)
 
