@@ -19,7 +19,9 @@ from tests.strategies.test_tensor_parallel_integration import (
     Losses,
     OneReplica,
     _assert_same,
+    _assert_step6_loss_on_one_device,
     _no_dropout,
+    _resume,
 )
 
 pytestmark = pytest.mark.integration
@@ -155,43 +157,15 @@ def test_models_we_did_not_write_run_as_on_one_process_under_pp2():
         assert r["lightning_demo_transformer"]["plan"].others == ("model.transformer.encoder.layers",)
 
 
-def _resume(rank: int, folder: str) -> dict[str, Any]:
-    """12 steps with a checkpoint every 6 (mid-epoch); a new Trainer resumes from step 6's."""
-
-    def run(callbacks: list[L.Callback], ckpt_path: str | None) -> list[float]:
-        L.seed_everything(0, verbose=False)
-        losses = Losses()
-        trainer = L.Trainer(accelerator="cpu", devices=2, strategy=ZeroStrategy(pipeline_parallel=2), max_steps=12,
-                            limit_val_batches=0, gradient_clip_val=0.5, callbacks=[losses, *callbacks],
-                            **_QUIET)  # fmt: skip
-        data = ShakespeareDataModule(block_size=32, batch_size=8, subset=2048)
-        trainer.fit(_model(), datamodule=data, ckpt_path=ckpt_path)
-        return losses.values
-
-    every6 = ModelCheckpoint(dirpath=folder, filename="{step}", every_n_train_steps=6, save_top_k=-1)
-    straight = run([every6], None)
-    return {"straight": straight[6:], "resumed": run([], f"{folder}/step=6.ckpt")}
-
-
 def test_pp2_resumes_exactly_and_its_checkpoint_loads_whole_on_one_device(tmp_path):
     from lightning_bigtrain.strategies.zero import consolidate_checkpoint
 
-    for r in run_on_ranks(_resume, str(tmp_path), init_process_group=False):
+    for r in run_on_ranks(_resume, str(tmp_path), 1, 2, init_process_group=False):  # tp=1, pp=2 (a block a stage)
         assert r["resumed"] == r["straight"], (r["resumed"], r["straight"])
-    # Another layout: the whole model on one process, plain Lightning, from the consolidated step-6 file: step 6's
-    # loss on its batch.
-    one = consolidate_checkpoint(tmp_path / "step=6.ckpt", tmp_path / "one.ckpt")
-    model = CharGPT.load_from_checkpoint(one)
-    assert isinstance(model.blocks, torch.nn.ModuleList) and len(model.blocks) == 4
-    L.seed_everything(0, verbose=False)
-    data = OneReplica(block_size=32, batch_size=8, subset=2048)
-    data.setup("fit")
-    batches = iter(data.train_dataloader())
-    for _ in range(6):
-        next(batches)
-    with torch.no_grad():
-        loss = model._loss(next(batches)).item()
-    assert abs(loss - r["straight"][0]) / r["straight"][0] < 1e-5, (loss, r["straight"][0])
+    # Another layout: the whole model on one process, plain Lightning, from the consolidated step-6 file.
+    model = CharGPT.load_from_checkpoint(consolidate_checkpoint(tmp_path / "step=6.ckpt", tmp_path / "one.ckpt"))
+    assert isinstance(model.blocks, torch.nn.ModuleList) and len(model.blocks) == 2
+    _assert_step6_loss_on_one_device(model, r["straight"][0])
 
 
 def _composed(rank: int) -> dict[str, Any]:

@@ -99,15 +99,16 @@ def test_dp2_x_tp2_on_4_ranks_losses_equal_a_single_process_run():
         _assert_same(losses, expected)
 
 
-def _resume(rank: int, folder: str, tp: int = 2) -> dict[str, list[float]]:
-    """12 steps with a checkpoint every 6 (mid-epoch); then a new Trainer resumes from step 6's."""
+def _resume(rank: int, folder: str, tp: int = 2, pp: int = 1) -> dict[str, list[float]]:
+    """12 steps with a checkpoint every 6 (mid-epoch); then a new Trainer resumes from step 6's (also used by the
+    pipeline tests: ``pp``)."""
 
     def run(callbacks: list[L.Callback], ckpt_path: str | None) -> list[float]:
         L.seed_everything(0, verbose=False)  # the sampler's shuffling seed must match (checked on resume)
         losses = Losses()
-        trainer = L.Trainer(accelerator="cpu", devices=2, strategy=ZeroStrategy(stage=3, tensor_parallel=tp),
-                            max_steps=12, limit_val_batches=0, gradient_clip_val=0.5, callbacks=[losses, *callbacks],
-                            **_QUIET)  # fmt: skip
+        strategy = ZeroStrategy(stage=3, tensor_parallel=tp, pipeline_parallel=pp)
+        trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=12, limit_val_batches=0,
+                            gradient_clip_val=0.5, callbacks=[losses, *callbacks], **_QUIET)  # fmt: skip
         data = ShakespeareDataModule(block_size=32, batch_size=8, subset=2048)
         trainer.fit(_model(), datamodule=data, ckpt_path=ckpt_path)
         return losses.values
@@ -144,7 +145,11 @@ def test_a_tp2_checkpoint_resumes_at_another_layout_and_consolidates_for_one_dev
         torch.testing.assert_close(r["resumed"], r["straight"], rtol=1e-5, atol=0)
     # One device, plain Lightning: the consolidated step-6 weights give step 6's loss on its batch.
     single = consolidate_checkpoint(tmp_path / "step=6.ckpt", tmp_path / "one.ckpt")
-    model = CharGPT.load_from_checkpoint(single)
+    _assert_step6_loss_on_one_device(CharGPT.load_from_checkpoint(single), r["straight"][0])
+
+
+def _assert_step6_loss_on_one_device(model: CharGPT, expected: float) -> None:
+    """The loss of ``model`` (the step-6 weights, whole, one process) on the batch the run's step 6 trained on."""
     L.seed_everything(0, verbose=False)
     data = OneReplica(block_size=32, batch_size=8, subset=2048)
     data.setup("fit")
@@ -153,7 +158,7 @@ def test_a_tp2_checkpoint_resumes_at_another_layout_and_consolidates_for_one_dev
         next(batches)
     with torch.no_grad():
         loss = model._loss(next(batches)).item()
-    assert abs(loss - r["straight"][0]) / r["straight"][0] < 1e-5, (loss, r["straight"][0])
+    assert abs(loss - expected) / expected < 1e-5, (loss, expected)
 
 
 class InOrder(L.LightningDataModule):
