@@ -177,8 +177,11 @@ class PipelineRunner:
     def _meta(self, fn: Callable[..., Any], batch: Any, rest: tuple[Any, ...], name: str) -> tuple[torch.Size, Any]:
         """The blocks' input shape and dtype for ``batch``: the step run up to the container (no gradients)."""
         self.blocks.run = StageRun(probe=True)
+        devices = [self.device] if self.device.type == "cuda" else []
         try:
-            with torch.no_grad(), self._quiet_log():
+            # Its own random streams: a probe (at the first batch of each shape) must not shift the run's dropout, or a
+            # resumed run (which probes again) would draw other masks than the uninterrupted one.
+            with torch.no_grad(), self._quiet_log(), torch.random.fork_rng(devices=devices):
                 fn(batch, *rest)
         except StageInput as found:
             return found.hidden.shape, found.hidden.dtype

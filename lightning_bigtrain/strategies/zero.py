@@ -372,6 +372,10 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
                 f"`ZeroStrategy(pipeline_parallel={self.pipeline_parallel})` with fp16 loss scaling is not supported "
                 "(the schedule's backward runs unscaled); use precision='bf16-mixed'."
             )
+        if self._pipeline is not None and self._pipeline.module is module:
+            # Set up before with this module (fit, then validate or test with one Trainer): it is cut already.
+            self._finish_pipeline_setup(trainer)
+            return
         self.model = plugin.convert_module(self.model)
         self.model_to_device()
         if self.tensor_parallel > 1 and self._user_split():
@@ -423,10 +427,15 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         self._sharded_root = False
         self._fsdp_comm = None
         self.barrier()
+        self._finish_pipeline_setup(trainer)
+
+    def _finish_pipeline_setup(self, trainer: L.Trainer) -> None:
+        """Optimizers over what this rank holds, the precision plugin, clipping by the norm over all stages."""
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         runner = self._pipeline
+        assert runner is not None
         plugin = self.precision_plugin
 
         def clip_grad_by_norm(optimizer: Any, clip_val: float) -> None:

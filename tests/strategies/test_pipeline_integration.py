@@ -175,16 +175,20 @@ def _composed(rank: int) -> dict[str, Any]:
     teacher = CharGPT(block_size=32, n_layer=2, n_head=4, n_embd=64, dropout=0.0)
     losses = Losses()
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=ZeroStrategy(pipeline_parallel=2), max_steps=3,
-                        precision="bf16-mixed", limit_val_batches=0, enable_checkpointing=False,
+                        precision="bf16-mixed", limit_val_batches=2, enable_checkpointing=False,
                         callbacks=[losses, bt.callbacks.KnowledgeDistillation(teacher), bt.callbacks.OperatorFusion()],
                         **_QUIET)  # fmt: skip
-    trainer.fit(_model(), datamodule=ShakespeareDataModule(block_size=32, batch_size=8, subset=2048))
-    return {"losses": losses.values, "logged": sorted(trainer.callback_metrics)}
+    data = ShakespeareDataModule(block_size=32, batch_size=8, subset=2048)
+    trainer.fit(_model(), datamodule=data)
+    logged = sorted(trainer.callback_metrics)
+    trainer.validate(trainer.lightning_module, datamodule=data, verbose=False)  # the same Trainer and (cut) module
+    return {"losses": losses.values, "logged": logged, "val": float(trainer.callback_metrics["val_loss"])}
 
 
 def test_pp2_composes_with_bf16_mixed_distillation_and_fusion():
     """The teacher runs whole on every stage (the last stage's loss uses it); OperatorFusion's swaps and fused loss
-    run inside the stages; bf16 autocast around the schedule."""
+    run inside the stages; bf16 autocast around the schedule. Then `validate` with the same Trainer."""
     for r in run_on_ranks(_composed, init_process_group=False):
         assert len(r["losses"]) == 3 and all(torch.isfinite(torch.tensor(r["losses"]))), r
         assert any(name.startswith("distill") for name in r["logged"]), r["logged"]
+        assert 0.0 < r["val"] < 10.0, r["val"]
