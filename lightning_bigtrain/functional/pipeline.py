@@ -161,15 +161,16 @@ def plan_pipeline(model: nn.Module, stages: int, split_points: Sequence[int] | N
     return PipelinePlan(name, names, tuple(bounds), costs, others)
 
 
-class StageOutput(Exception):
-    """Raised by :class:`PipelinedBlocks` to carry a non-last stage's result out of the user's step."""
+class StageOutput(BaseException):
+    """Raised by :class:`PipelinedBlocks` to carry a non-last stage's result out of the user's step (a
+    ``BaseException``, as ``KeyboardInterrupt``: a step's own ``except Exception`` must not stop it)."""
 
     def __init__(self, hidden: torch.Tensor) -> None:
         super().__init__("pipeline stage output")
         self.hidden = hidden
 
 
-class StageInput(Exception):
+class StageInput(BaseException):
     """Raised by :class:`PipelinedBlocks` in a probe: the blocks' input, to learn its shape and dtype."""
 
     def __init__(self, hidden: torch.Tensor) -> None:
