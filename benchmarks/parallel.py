@@ -139,7 +139,7 @@ def worker(layout: str, quick: bool, steps: int, out: str) -> None:
                     strategy = trainer.strategy
                     counted["bytes"] = float(strategy.comm_bytes - self.comm)
                     held, peak = 0.0, 0.0
-                    for _, kind, mb, _ in strategy._pipeline.timings[strategy.global_rank]:
+                    for _, kind, mb, _ in strategy._pipeline.actions:
                         size = float(sum(self.by_microbatch.get(mb, {}).values()))
                         held += size if kind == "F" else -size
                         peak = max(peak, held)

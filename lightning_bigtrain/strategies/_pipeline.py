@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from lightning_bigtrain.functional.pipeline import (
     PipelinedBlocks,
@@ -66,15 +67,8 @@ def split_microbatches(batch: Any, count: int, owner: str = "pipeline_parallel")
     return cut(batch)
 
 
-def _tensors(value: Any) -> Iterable[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _tensors(v)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _tensors(v)
+def _tensors(value: Any) -> list[torch.Tensor]:
+    return [leaf for leaf in tree_leaves(value) if isinstance(leaf, torch.Tensor)]
 
 
 def _loss_of(output: Any, name: str) -> torch.Tensor:
@@ -146,7 +140,7 @@ class PipelineRunner:
         self._pending: list[torch.Tensor | None] = []
         self._metas: dict[Any, tuple[torch.Size, Any]] = {}
         self._step: dict[str, Any] = {}
-        self.timings: dict[int, list[tuple[int, str, int, float]]] = {}  # the last step's actions, by rank
+        self.actions: list[tuple[int, str, int, float]] = []  # this rank's last training batch: (stage, F/B, mb, s)
         self.sent_bytes = 0  # activations and gradients this rank has sent to other stages since setup
         self.reduced_bytes = 0.0  # the replicated parameters' gradient all-reduces since setup (ring equivalent)
         self.current: tuple[int, int] | None = None  # (stage, micro-batch) while a stage runs
@@ -279,7 +273,7 @@ class PipelineRunner:
         records: list[tuple[str, Any, dict[str, Any]]] = []
         self._step = {"fn": fn, "name": name, "microbatches": micro, "rest": rest, "meta": meta, "losses": losses,
                       "accumulate": trainer.accumulate_grad_batches}  # fmt: skip
-        self._actions: list[tuple[int, str, int, float]] = []
+        self.actions = []
         index = [(torch.tensor([i], device=self.device),) for i in range(self.microbatches)]
         params = self.owned + self.replicated
         earlier = [p.grad for p in params]
@@ -296,7 +290,6 @@ class PipelineRunner:
         last = self.stages - 1 in self.local
         value = torch.stack([losses[i] for i in range(self.microbatches)]).mean().float() if last else None
         loss = self._replay(value, records, last, self.microbatches)
-        self._gather_timings()
         return loss
 
     def _replay(
@@ -414,19 +407,18 @@ class PipelineRunner:
 
     # --- the bubble --------------------------------------------------------------------------------------------
     def _record(self, stage: int, kind: str, mb: int, seconds: float) -> None:
-        self._actions.append((stage, kind, mb, seconds))
-
-    def _gather_timings(self) -> None:
-        gathered: list[Any] = [None] * self.degree
-        torch.distributed.all_gather_object(gathered, self._actions, group=self.group)
-        self.timings = dict(enumerate(gathered))
+        self.actions.append((stage, kind, mb, seconds))
 
     def bubble(self, steady: bool = False) -> float:
         """The last training batch's bubble: :func:`simulated_bubble` over every rank's measured action times
-        (``steady``: each stage's median time per kind of action)."""
-        if not self.timings:
+        (``steady``: each stage's median time per kind of action). A collective over the pipeline group (the
+        times are gathered here, not at every step): call it on every rank, e.g. from a callback hook."""
+        gathered: list[Any] = [None] * self.degree
+        torch.distributed.all_gather_object(gathered, self.actions, group=self.group)
+        timings = dict(enumerate(gathered))
+        if not any(timings.values()):
             return math.nan
-        return simulated_bubble(self.timings, self.stages, steady)
+        return simulated_bubble(timings, self.stages, steady)
 
 
 def _mean(values: list[Any]) -> Any:

@@ -447,7 +447,9 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
 
     @property
     def pipeline_bubble(self) -> float:
-        """The last training batch's pipeline bubble, from the schedule's measured per-action times (NaN before)."""
+        """The last training batch's pipeline bubble, from the schedule's measured per-action times (NaN before, or
+        without pipeline parallelism). With a pipeline it is a collective over the pipeline group: read it on every
+        rank (from a callback hook, as ``benchmarks/parallel.py`` does), not from rank 0 alone."""
         return math.nan if self._pipeline is None else self._pipeline.bubble()
 
     def _user_split(self) -> bool:
