@@ -20,8 +20,10 @@ from lightning.fabric.utilities.load import _METADATA_FILENAME, _load_distribute
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput
+from lightning.pytorch.strategies.strategy import _ForwardRedirection
 from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batches
 from lightning.pytorch.utilities.data import _update_dataloader
+from typing_extensions import override
 
 if TYPE_CHECKING:
     from lightning.pytorch.strategies import ParallelStrategy as StrategyMixinBase
@@ -80,5 +82,29 @@ def rewrap_ddp(strategy: Any) -> None:
 
 def forward_redirection(strategy: Any, wrapper: Any, module: Any, method: str, *args: Any, **kwargs: Any) -> Any:
     """Call ``module.<method>`` through ``wrapper``'s forward (so the wrapper's hooks run around it), as
-    Lightning does for DDP/FSDP-wrapped modules."""
-    return strategy._forward_redirection(wrapper, module, method, *args, **kwargs)
+    Lightning does for DDP/FSDP-wrapped modules. With an FSDP2 root that keeps its parameters gathered after
+    forward (``reshard_after_forward=False``), the root stays gathered for backward though the step calls
+    ``self(...)`` inside the redirected call (see :func:`_keep_root_gathered`)."""
+    return _KeepRootGathered()(wrapper, module, method, *args, **kwargs)
+
+
+class _KeepRootGathered(_ForwardRedirection):
+    @override
+    def on_after_inner_forward(self, wrapper_module: Any, original_module: Any) -> None:
+        _keep_root_gathered(wrapper_module)
+
+
+def _keep_root_gathered(root: Any) -> None:
+    """A step that calls ``self(...)`` runs the root's forward nested in the redirected call; the inner call's
+    post-forward hook leaves the root's parameter group idle, and the outer one then reshards an idle group whatever
+    its ``reshard_after_forward``: the root (embeddings, LM head) would be gathered again for backward at ZeRO-1/2.
+    Marking the group as still in forward makes the outer hook honour ``reshard_after_forward=False``."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(root, FSDPModule):
+        return
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+    for group in root._get_fsdp_state()._fsdp_param_groups:
+        if not group._reshard_after_forward and group._training_state == TrainingState.IDLE:
+            group._training_state = TrainingState.FORWARD

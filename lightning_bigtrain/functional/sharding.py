@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from collections import Counter
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -178,8 +179,10 @@ class CommCounter:
         self.world_size = world_size
         self.bytes = 0
 
-    def add(self, tensor: torch.Tensor) -> None:
-        self.bytes += (self.world_size - 1) * tensor.numel() * tensor.element_size() // self.world_size
+    def add(self, tensor: torch.Tensor, group: Any = None) -> None:
+        """Count one collective over ``group`` (its size; None: ``world_size``, the whole world)."""
+        n = self.world_size if group is None else torch.distributed.get_world_size(group)
+        self.bytes += (n - 1) * tensor.numel() * tensor.element_size() // n
 
 
 def count_comm_(module: nn.Module, counter: CommCounter) -> bool:
@@ -195,12 +198,12 @@ def count_comm_(module: nn.Module, counter: CommCounter) -> bool:
 
     class CountingAllGather(DefaultAllGather):
         def __call__(self, output_tensor, input_tensor, group, async_op=False):
-            counter.add(output_tensor)
+            counter.add(output_tensor, group)
             return super().__call__(output_tensor, input_tensor, group, async_op)
 
     class CountingReduceScatter(DefaultReduceScatter):
         def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-            counter.add(input_tensor)
+            counter.add(input_tensor, group)
             return super().__call__(output_tensor, input_tensor, group, op, async_op)
 
     units = [m for m in module.modules() if isinstance(m, FSDPModule)]

@@ -144,6 +144,14 @@ class PipelineRunner:
         self.sent_bytes = 0  # activations and gradients this rank has sent to other stages since setup
         self.reduced_bytes = 0.0  # the replicated parameters' gradient all-reduces since setup (ring equivalent)
         self.current: tuple[int, int] | None = None  # (stage, micro-batch) while a stage runs
+        # ZeRO-1/2 across pipelines (FSDP2 blocks): the parameters stay gathered until a stage's last backward of the
+        # batch (``keep_gathered``); at ZeRO-1 the data-parallel reduction of the gradients waits for it too
+        # (``defer_sync``). While Lightning accumulates, neither happens (the strategy's block_backward_sync clears
+        # ``sync_allowed``).
+        self.keep_gathered = False
+        self.defer_sync = False
+        self.sync_allowed = True
+        self._backwards: dict[int, int] = {}
 
     # --- the stage function -----------------------------------------------------------------------------------
     def _run_stage(self, stage: int, incoming: torch.Tensor | None, mb: int) -> torch.Tensor:
@@ -274,6 +282,7 @@ class PipelineRunner:
         self._step = {"fn": fn, "name": name, "microbatches": micro, "rest": rest, "meta": meta, "losses": losses,
                       "accumulate": trainer.accumulate_grad_batches}  # fmt: skip
         self.actions = []
+        self._backwards = dict.fromkeys(self.local, 0)
         index = [(torch.tensor([i], device=self.device),) for i in range(self.microbatches)]
         params = self.owned + self.replicated
         earlier = [p.grad for p in params]
@@ -405,6 +414,23 @@ class PipelineRunner:
             local.detach().mul_(coefficient.to(local.dtype))
         return total
 
+    def before_backward(self, stage: int) -> None:
+        """ZeRO-1/2 across pipelines: whether this backward of ``stage``'s blocks reshards their parameters and (ZeRO-1)
+        reduce-scatters their gradients over the data-parallel ranks: only the stage's last backward of the batch,
+        outside accumulation (FSDP2's ``set_reshard_after_backward`` / ``set_requires_gradient_sync``)."""
+        if not self.keep_gathered:
+            return
+        from torch.distributed.fsdp import FSDPModule
+
+        self._backwards[stage] += 1
+        last = self.sync_allowed and self._backwards[stage] == self.microbatches
+        for name in self.plan.blocks(stage):
+            block = self.blocks.get_submodule(name)
+            if isinstance(block, FSDPModule):
+                block.set_reshard_after_backward(last, recurse=False)
+                if self.defer_sync:
+                    block.set_requires_gradient_sync(last, recurse=False)
+
     # --- the bubble --------------------------------------------------------------------------------------------
     def _record(self, stage: int, kind: str, mb: int, seconds: float) -> None:
         self.actions.append((stage, kind, mb, seconds))
@@ -441,6 +467,7 @@ def _time_actions(stage: Any, runner: PipelineRunner) -> None:
         return out
 
     def timed_backward(bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        runner.before_backward(stage.stage_index)
         start = time.perf_counter()
         out = backward(bwd_chunk_id, *args, **kwargs)
         runner._record(stage.stage_index, "B", bwd_chunk_id, time.perf_counter() - start)

@@ -113,10 +113,14 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
     (``s3://...``, ``file://...``; the filesystem's fsspec package must be installed), resume exactly, and
     load at another world size.
 
-    With ``tensor_parallel=T`` (stage 3), the ranks form a (data x tensor) mesh: each group of ``T`` neighbouring
+    With ``tensor_parallel=T``, the ranks form a (data x tensor) mesh: each group of ``T`` neighbouring
     ranks splits every transformer block's linears Megatron-style (found automatically and verified per block
     class, :mod:`lightning_bigtrain.functional.tensor_parallel`; a ``configure_model`` that split the module
-    itself is respected), and FSDP2 shards across the groups. See ``docs/parallel.md``.
+    itself is respected), and FSDP2 shards across the groups. With ``pipeline_parallel=P`` the block container is
+    cut into stages. Under either, every stage runs on FSDP2 across the data-parallel ranks: stage 3 gathers each
+    unit's parameters for forward and again for backward; stages 1 and 2 keep them gathered from forward to
+    backward (stage 2 reduce-scatters the gradients of every backward pass; stage 1 lets whole gradients accumulate
+    and reduce-scatters once per optimizer step, ZeRO-1's traffic). See ``docs/parallel.md``.
 
     Registered as ``bigtrain_zero1``, ``bigtrain_zero2``, ``bigtrain_zero3``, ``bigtrain_zero2_offload``,
     ``bigtrain_zero3_offload``, ``bigtrain_zero3_tp2``, ``bigtrain_zero3_tp4``.
@@ -149,7 +153,11 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         options: The rarer knobs (:class:`ZeroOptions`): checkpoint layout, buffer broadcast,
             step-seeded RNG, launch method, backend, timeout.
         tensor_parallel: Tensor-parallel degree (ranks per group splitting each block); must divide the world
-            size. Stage 3 only for now; 1 (the default) is plain ZeRO.
+            size (with ``pipeline_parallel``, their product must). 1 (the default) is plain ZeRO.
+        pipeline_parallel: Pipeline stages (ranks per pipeline); the largest container of repeated blocks is cut
+            into that many stages (:mod:`lightning_bigtrain.functional.pipeline`). 1 (the default): no pipeline.
+        pipeline: The schedule, micro-batch count and cut (:class:`PipelineOptions`); only with
+            ``pipeline_parallel`` >= 2.
         deepspeed: Refused here (DeepSpeed's knobs belong to
             :class:`~lightning_bigtrain.strategies.DeepSpeedZeroStrategy`); kept so that the error says so.
     """
@@ -196,7 +204,7 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         if min_wrap_params < 1:
             raise ValueError(f"`ZeroStrategy(min_wrap_params={min_wrap_params})`: must be >= 1.")
         compressor = resolve_compression(compression, "ZeroStrategy")
-        _check_tensor_parallel(tensor_parallel, stage, offload_optimizer or offload_params, compressor)
+        _check_tensor_parallel(tensor_parallel, offload_optimizer or offload_params, compressor)
         pipeline = _check_pipeline(pipeline_parallel, pipeline, tensor_parallel, stage,
                                    offload_optimizer or offload_params, compressor, options)  # fmt: skip
         if compressor is not None and stage > 1 and not isinstance(compressor, Cast):
@@ -420,12 +428,17 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
             from torch.distributed.fsdp import fully_shard
 
             for name in {n for s in local for n in plan.blocks(s)}:
-                fully_shard(blocks.get_submodule(name), mesh=data, reshard_after_forward=True)
+                fully_shard(blocks.get_submodule(name), mesh=data, reshard_after_forward=self.stage == 3)
+            counter = CommCounter(data.size())
+            self._fsdp_comm = counter if count_comm_(blocks, counter) else None
+        else:
+            self._fsdp_comm = None
         self.pipeline_plan = plan
         self._pipeline = PipelineRunner(module, plan, blocks, group, options, self.root_device,
                                         data.get_group() if data.size() > 1 else None)  # fmt: skip
+        self._pipeline.keep_gathered = self.stage < 3 and data.size() > 1
+        self._pipeline.defer_sync = self.stage == 1 and data.size() > 1
         self._sharded_root = False
-        self._fsdp_comm = None
         self.barrier()
         self._finish_pipeline_setup(trainer)
 
@@ -489,7 +502,11 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
 
     @property
     def _flat_engine(self) -> bool:
-        """Stages 1 and 2 run on FlatShardedOptimizer; stage 3 and offloading on FSDP2."""
+        """Stages 1 and 2 run on FlatShardedOptimizer; stage 3, offloading, tensor and pipeline parallelism on
+        FSDP2 (stages 1 and 2 there: parameters kept gathered from forward to backward; stage 1 reduces once per
+        optimizer step, see :meth:`block_backward_sync`)."""
+        if self.tensor_parallel > 1 or self.pipeline_parallel > 1:
+            return False
         return self.stage == 1 or (self.stage == 2 and not self.offload_optimizer)
 
     def _setup_flat(self, trainer: L.Trainer) -> None:
@@ -543,16 +560,40 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
     @override
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
-        """Skip stage 1's gradient reduction while gradients accumulate (as DDP's ``no_sync``). Stage 2
-        reduces every micro-batch into its gradient slice: it keeps no full gradients to accumulate in."""
+        """Skip stage 1's gradient reduction while gradients accumulate (as DDP's ``no_sync``). Stage 2 reduces every
+        micro-batch into its gradient slice: it keeps no full gradients to accumulate in. On FSDP2 (stages 1-2 with
+        tensor or pipeline parallelism) the parameters also stay gathered until the last micro-batch (ZeRO-1 and 2 keep
+        whole parameters through the step), and stage 1's whole gradients accumulate unreduced
+        (``set_requires_gradient_sync(False)``): one reduce-scatter and one all-gather per optimizer step."""
         flats = [o for o in self.optimizers if isinstance(o, FlatShardedOptimizer)]
+        sharded = self._gathered_fsdp_modules()
         for o in flats:
             o.require_sync = False
+        self._accumulating(sharded, True)
         try:
             yield None
         finally:
             for o in flats:
                 o.require_sync = True
+            self._accumulating(sharded, False)
+
+    def _gathered_fsdp_modules(self) -> list[Any]:
+        """Stages 1-2 on FSDP2 without a pipeline (the runner times a pipeline's reshards itself): every sharded
+        module."""
+        if self.stage == 3 or self._flat_engine or self.model is None:
+            return []
+        from torch.distributed.fsdp import FSDPModule
+
+        return [m for m in self.model.modules() if isinstance(m, FSDPModule)]
+
+    def _accumulating(self, sharded: list[Any], accumulating: bool) -> None:
+        if self._pipeline is not None:
+            self._pipeline.sync_allowed = not accumulating
+            return
+        for m in sharded:
+            m.set_reshard_after_backward(not accumulating, recurse=False)
+            if self.stage == 1:
+                m.set_requires_gradient_sync(not accumulating, recurse=False)
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
@@ -887,8 +928,9 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         """Bytes this rank has sent in the sharding's collectives since setup (ring-equivalent: (N-1)/N of
         each gathered output and each reduce-scattered input), counted where they are issued; None if
         this torch offers no way to count FSDP2's."""
-        if self._pipeline is not None:  # stage-to-stage messages and the replicated parameters' gradient sums
-            return int(self._pipeline.sent_bytes + self._pipeline.reduced_bytes)
+        if self._pipeline is not None:  # stage-to-stage messages, the replicated parameters' gradient sums, FSDP2's
+            sharded = self._fsdp_comm.bytes if self._fsdp_comm is not None else 0
+            return int(self._pipeline.sent_bytes + self._pipeline.reduced_bytes + sharded)
         flats = [o for o in self.optimizers if isinstance(o, FlatShardedOptimizer)]
         if flats:
             engine = self._compression.engine if self._compression is not None else None
@@ -998,18 +1040,13 @@ class _FullWeightsLauncher(_MultiProcessingLauncher):
         return _WorkerOutput(best_model_path, weights_path, trainer.state, results, self.get_extra_results(trainer))
 
 
-def _check_tensor_parallel(degree: Any, stage: int, offload: bool, compressor: Compressor | None) -> None:
+def _check_tensor_parallel(degree: Any, offload: bool, compressor: Compressor | None) -> None:
     if not isinstance(degree, int) or isinstance(degree, bool) or degree < 1:
         raise ValueError(
             f"`ZeroStrategy(tensor_parallel={degree!r})`: must be an integer >= 1 (1: no tensor parallelism)."
         )
     if degree == 1:
         return
-    if stage != 3:
-        raise ValueError(
-            f"`ZeroStrategy(stage={stage}, tensor_parallel={degree})` is not supported yet: tensor parallelism "
-            "composes with FSDP2's sharding on the data axis. Use stage=3."
-        )
     if offload or compressor is not None:
         given = "offload_optimizer/offload_params" if offload else "compression"
         raise ValueError(
@@ -1041,7 +1078,6 @@ def _check_pipeline(
             )
         return None
     refused = [
-        (stage != 3, f"stage={stage}", "stage (use 3)"),
         (offload, "offload_optimizer/offload_params", "offloading"),
         (compressor is not None, "compression", "compression"),
         (not zero_options.save_distributed_checkpoint, "save_distributed_checkpoint=False", "the one-file save"),

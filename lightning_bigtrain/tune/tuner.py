@@ -704,6 +704,8 @@ def _plan_row(strategy: Any, rows: Mapping[str, Any]) -> str:
         degree, stages = int(args.get("tensor_parallel", 1)), int(args.get("pipeline_parallel", 1))
         if degree > 1 and stages > 1:
             raise _Unplannable("the planner has no row for tensor and pipeline parallelism together")
+        if (degree > 1 or stages > 1) and stage != 3:
+            raise _Unplannable(f"the planner's tensor- and pipeline-parallel rows are ZeRO-3's (stage={stage} given)")
         if degree > 1:
             row = f"zero3_tp{degree}"
         if stages > 1:

@@ -124,6 +124,29 @@ def test_dp2_x_pp2_on_4_ranks_losses_equal_a_single_process_run():
         _assert_same(r["losses"], expected["losses"])
 
 
+def _dp2_pp2_stages(rank: int, steps: int) -> dict[int, dict[str, Any]]:
+    out = {}
+    for stage in (1, 2):
+        strategy = ZeroStrategy(stage=stage, pipeline_parallel=2)
+        out[stage] = {**_fit(4, strategy, steps, accumulate=2), "sharded": strategy._fsdp_comm.bytes}
+    return out
+
+
+def test_zero_stages_1_and_2_across_pipelines_equal_one_process_and_reduce_once_per_step():
+    """Each stage's blocks on FSDP2 across the two pipelines, gathered through the step; two batches of 4
+    micro-batches accumulated per optimizer step. Stage 1 reduce-scatters once per optimizer step (one gather, one
+    reduce-scatter), stage 2 after each of the 8 micro-batches' backwards (one gather, 8 reduce-scatters). The counts
+    fail without the per-stage control of the runner (stage 1 would reduce-scatter 8 times, both gather 8 times)."""
+    expected = run_on_ranks(_single, 6, 2, 16, world_size=1, init_process_group=False)[0]
+    for r in run_on_ranks(_dp2_pp2_stages, 6, world_size=4, init_process_group=False):
+        for stage in (1, 2):
+            _assert_same(r[stage]["losses"], expected["losses"])
+        one, two = r[1]["sharded"], r[2]["sharded"]
+        print(f"dp=2 x pp=2, FSDP2 bytes per rank over 6 optimizer steps: stage 1 {one}, stage 2 {two}")
+        # 6 optimizer steps, then the validation at the end gathers each block once more: (6*2 + 1) : (6*9 + 1) units.
+        assert one / two == pytest.approx(13 / 55, rel=1e-3), (one, two)
+
+
 def _families(rank: int, devices: int) -> dict[str, Any]:
     from benchmarks.conformance import FAMILIES, _build, _data
 

@@ -44,12 +44,13 @@ def _model() -> CharGPT:
     return CharGPT(block_size=32, n_layer=2, n_head=4, n_embd=64, dropout=0.0, warmup_steps=5)
 
 
-def _fit(devices: int, strategy: Any, steps: int, batch: int) -> tuple[list[float], Any]:
+def _fit(devices: int, strategy: Any, steps: int, batch: int, accumulate: int = 1) -> tuple[list[float], Any]:
     L.seed_everything(0, verbose=False)
     model = _model()
     losses = Losses()
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, limit_val_batches=0,
-                        gradient_clip_val=0.5, enable_checkpointing=False, callbacks=[losses], **_QUIET)  # fmt: skip
+                        gradient_clip_val=0.5, enable_checkpointing=False, accumulate_grad_batches=accumulate,
+                        callbacks=[losses], **_QUIET)  # fmt: skip
     data = (OneReplica if devices == 1 else ShakespeareDataModule)(block_size=32, batch_size=batch, subset=2048)
     trainer.fit(model, datamodule=data)
     return losses.values, trainer.strategy
@@ -64,8 +65,8 @@ def _tp2(rank: int, steps: int) -> dict[str, Any]:
             "replicated": dict(plan.replicated)}  # fmt: skip
 
 
-def _single(rank: int, steps: int, batch: int) -> list[float]:
-    return _fit(1, "auto", steps, batch)[0]
+def _single(rank: int, steps: int, batch: int, accumulate: int = 1) -> list[float]:
+    return _fit(1, "auto", steps, batch, accumulate)[0]
 
 
 def _assert_same(got: list[float], expected: list[float]) -> None:
@@ -97,6 +98,30 @@ def test_dp2_x_tp2_on_4_ranks_losses_equal_a_single_process_run():
     results = run_on_ranks(_dp2_tp2, 20, world_size=4, init_process_group=False)
     for losses in results:
         _assert_same(losses, expected)
+
+
+def _dp2_tp2_stages(rank: int, steps: int) -> dict[int, tuple[list[float], int]]:
+    out = {}
+    for stage in (1, 2, 3):
+        losses, strategy = _fit(4, ZeroStrategy(stage=stage, tensor_parallel=2, min_wrap_params=1000), steps, batch=8,
+                                accumulate=2)  # fmt: skip
+        out[stage] = (losses, strategy.comm_bytes)
+    return out
+
+
+def test_zero_stages_1_and_2_across_tensor_parallel_pairs_equal_one_process_and_keep_their_traffic():
+    """Stages 1 and 2 on the data axis (FSDP2, parameters gathered through the step): two batches accumulated per
+    optimizer step. Stage 1 reduce-scatters once per optimizer step, stage 2 every batch, stage 3 also gathers the
+    parameters again for every forward and backward: per optimizer step 2 : 3 : 6 messages of the same size."""
+    expected = run_on_ranks(_single, 8, 16, 2, world_size=1, init_process_group=False)[0]
+    results = run_on_ranks(_dp2_tp2_stages, 8, world_size=4, init_process_group=False)
+    for r in results:
+        for stage in (1, 2, 3):
+            _assert_same(r[stage][0], expected)
+        one, two, three = (r[stage][1] for stage in (1, 2, 3))
+        print(f"dp=2 x tp=2, bytes sent per rank over 8 optimizer steps: stage 1 {one}, 2 {two}, 3 {three}")
+        assert one / two == pytest.approx(2 / 3, rel=1e-3), (one, two)
+        assert three / two == pytest.approx(2, rel=1e-3), (three, two)
 
 
 def _resume(rank: int, folder: str, tp: int = 2, pp: int = 1) -> dict[str, list[float]]:

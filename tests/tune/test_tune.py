@@ -286,6 +286,10 @@ def test_each_strategy_spelling_maps_to_its_planner_row():
             "init_args": {"pipeline_parallel": 2, "tensor_parallel": 2}}  # fmt: skip
     with pytest.raises(_Unplannable, match="tensor and pipeline parallelism together"):
         _plan_row(both, rows)
+    zero1_tp2 = {"class_path": "lightning_bigtrain.strategies.ZeroStrategy",
+                 "init_args": {"stage": 1, "tensor_parallel": 2}}  # fmt: skip
+    with pytest.raises(_Unplannable, match=r"rows are ZeRO-3's \(stage=1 given\)"):
+        _plan_row(zero1_tp2, rows)
     with pytest.raises(_Unplannable, match="no row for strategy 'fsdp'"):
         _plan_row("fsdp", rows)
 
