@@ -64,6 +64,9 @@ def drop_fit_dataloaders(trainer: Any) -> bool:
         return False
     if fit_loop._data_fetcher is not None:
         fit_loop._data_fetcher.teardown()
+        # The loop makes a new fetcher when it rebuilds the loaders (each epoch's start). A run resumed from its last
+        # batch ends without starting an epoch: its teardown would tear this one down again, and fail.
+        fit_loop._data_fetcher = None
     fit_loop._combined_loader = None
     return True
 

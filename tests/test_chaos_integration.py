@@ -82,3 +82,12 @@ def test_killed_mid_epoch_while_streaming_from_s3_and_resumed_on_one_rank_sees_e
     assert list(seen) == [0]
     assert len(seen[0]) == samples and sorted(seen[0]) == list(range(samples))  # none skipped, none repeated
     assert list((tmp_path / "cache").rglob("*.pt")), "the shards were not read through the cache"
+
+
+def test_a_relaunch_after_the_last_step_exits_at_once(tmp_path):
+    """A job whose last checkpoint is its last batch (3 steps per epoch, saved every 3), relaunched as a scheduler
+    would after the job was killed on its way out: the fit loop restores, finds the run done and exits 0 (it failed in
+    teardown: the fetcher that `load_pending_states` tore down was torn down again)."""
+    assert launch("ddp_cnn", tmp_path, "0", every=3) == 0
+    assert launch("ddp_cnn", tmp_path, "1", every=3) == 0
+    assert json.loads((tmp_path / "start-1.json").read_text())["step"] == 9

@@ -45,9 +45,22 @@ def _gathered(model: torch.nn.Module) -> contextlib.AbstractContextManager:
     return deepspeed.zero.GatheredParameters(partitioned)
 
 
-def _flat_params(model: torch.nn.Module) -> torch.Tensor:
+def _named_params(model: torch.nn.Module, strategy: object) -> dict[str, torch.Tensor]:
+    """Each parameter this rank holds, whole (a pipeline stage holds its own blocks and what every stage holds), in
+    the module's own layout (a tensor-parallel split of packed q/k/v rows reorders them: put back)."""
+    from lightning_bigtrain.functional.tensor_parallel import unpack_rows
+
+    plan = getattr(strategy, "tensor_parallel_plan", None)
+    packed = plan.packed() if plan is not None else {}
+    out = {}
     with _gathered(model):
-        return torch.cat([_full(p) for p in model.parameters()])
+        for n, p in model.named_parameters():
+            if n in packed:
+                whole = p.full_tensor().detach()  # type: ignore[attr-defined]
+                out[n] = unpack_rows(whole, packed[n][0], plan.degree, packed[n][1]).reshape(-1).float()
+            else:
+                out[n] = _full(p)
+    return out
 
 
 def _flat_state(model: torch.nn.Module) -> torch.Tensor:
@@ -122,16 +135,19 @@ def _fit_and_resume(rank: int, name: str, ckpt_dir: str, perturb: bool = False) 
         return _flat_state(model), model, trainer
 
     uninterrupted, model, trainer = run(None, None, extra_callbacks=[_Perturb()] if perturb else [])
+    pipelined = getattr(trainer.strategy, "pipeline_plan", None) is not None
     replicas = _replicas(model)
-    sharded = any(not is_replica(p) for p in model.parameters())
+    sharded = pipelined or any(not is_replica(p) for p in model.parameters())
     out = {
         "replicas": replicas,
+        "pipelined": pipelined,
         "sharded": sharded,
-        "weights": _flat_params(model),
+        "weights": _named_params(model, trainer.strategy),
         "loss": float(trainer.callback_metrics["train_loss"]),
     }
     if sharded:  # no rank holds what the other holds: the reference is the same run with replicated parameters
-        out["ddp_weights"] = _flat_params(run(None, None, replicated=True)[1])
+        _, twin_model, twin_trainer = run(None, None, replicated=True)
+        out["ddp_weights"] = _named_params(twin_model, twin_trainer.strategy)
     if not perturb:
         run(1, None)
         out["uninterrupted"] = uninterrupted
@@ -142,17 +158,20 @@ def _fit_and_resume(rank: int, name: str, ckpt_dir: str, perturb: bool = False) 
 def replica_problems(results: list[dict], ddp_atol: float, mask_slack: float = 0.0) -> list[str]:
     """What differs that must not: a replicated parameter between the ranks' own copies (compared before any
     gather), or, where parameters are sharded, the gathered weights from those of the same run on the same engine
-    at stage 1, whose parameters are replicas (and checked as such in their own rows)."""
+    at stage 1, whose parameters are replicas (and checked as such in their own rows; tensor- and pipeline-parallel
+    rows against DDP ranks that all step on the same batches)."""
     problems = []
     first, second = results[0]["replicas"], results[1]["replicas"]
-    if first.keys() != second.keys():
+    if first.keys() != second.keys() and not results[0]["pipelined"]:  # a pipeline stage holds its own blocks
         problems.append(f"ranks replicate different parameters: {sorted(first.keys() ^ second.keys())}")
     problems += [
         f"replica {n} differs between ranks" for n in first if n in second and not torch.equal(first[n], second[n])
     ]
     for r in results:
         if r["sharded"]:
-            ours, twin = r["weights"], r["ddp_weights"]
+            names = list(r["weights"])  # what this rank holds, each against the twin's same parameter
+            ours = torch.cat([r["weights"][n] for n in names])
+            twin = torch.cat([r["ddp_weights"][n] for n in names])
             one_zero = (ours == 0) != (twin == 0)
             if one_zero.float().mean().item() > mask_slack:
                 problems.append(f"{int(one_zero.sum())} weights are zero in only one of the runs (> {mask_slack:.0%})")

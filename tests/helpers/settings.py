@@ -18,6 +18,8 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.strategies import DDPStrategy
+from typing_extensions import override
 
 from lightning_bigtrain.callbacks import (
     DistillationOptions,
@@ -181,6 +183,21 @@ def _ddp_with_report() -> dict[str, Any]:
 def _zero(stage: int) -> Callable[[], dict[str, Any]]:
     # A small unit threshold so the tiny models are sharded block by block, as large ones are.
     return lambda: {"strategy": ZeroStrategy(stage=stage, min_wrap_params=1000)}
+
+
+class _OneReplicaDDP(DDPStrategy):
+    """DDP whose ranks all read the data as one replica (the sampler Lightning injects takes ``num_replicas=1``):
+    every rank steps on the same batches and the averaged gradient is one process's. The twin of the rows whose
+    ranks split the model rather than the data (tensor and pipeline parallelism on 2 ranks: one data replica)."""
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": 1, "rank": 0}
+
+
+def _model_parallel(**kwargs: Any) -> Callable[[], dict[str, Any]]:
+    return lambda: {"strategy": ZeroStrategy(**kwargs)}
 
 
 def _deepspeed(stage: int) -> Callable[[], dict[str, Any]]:
@@ -417,6 +434,13 @@ SETTINGS: tuple[Setting, ...] = (
             trainer_kwargs=lambda: {**_zero(1)(), "precision": "bf16-mixed"}),
     Setting(name="zero2_mixed_cnn", model=_tiny_cnn, data=_tiny_fashion,
             trainer_kwargs=lambda: {**_zero(2)(), "precision": "bf16-mixed"}),
+    # Tensor and pipeline parallelism: the 2 ranks split one model replica (the blocks' linears, or the blocks into
+    # stages), compared with DDP ranks that all step on the same batches. ZeRO-1 at tp=2: the FSDP2 path of stages
+    # 1-2 (a one-rank data axis here); the pipeline at its defaults (1F1B, 4 micro-batches of the batch of 8).
+    Setting(name="tp2_zero1_gpt", model=_tiny_gpt, data=_tiny_shakespeare,
+            trainer_kwargs=_model_parallel(stage=1, tensor_parallel=2), replicated_twin=_OneReplicaDDP),
+    Setting(name="pp2_gpt", model=_tiny_gpt, data=_tiny_shakespeare,
+            trainer_kwargs=_model_parallel(pipeline_parallel=2), replicated_twin=_OneReplicaDDP),
 )  # fmt: skip
 
 
