@@ -205,8 +205,8 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
             raise ValueError(f"`ZeroStrategy(min_wrap_params={min_wrap_params})`: must be >= 1.")
         compressor = resolve_compression(compression, "ZeroStrategy")
         _check_tensor_parallel(tensor_parallel, offload_optimizer or offload_params, compressor)
-        pipeline = _check_pipeline(pipeline_parallel, pipeline, tensor_parallel, stage,
-                                   offload_optimizer or offload_params, compressor, options)  # fmt: skip
+        pipeline = _check_pipeline(pipeline_parallel, pipeline, offload_optimizer or offload_params, compressor,
+                                   options)  # fmt: skip
         if compressor is not None and stage > 1 and not isinstance(compressor, Cast):
             raise ValueError(
                 f"`ZeroStrategy(stage={stage}, compression={compressor!r})` is not supported: at stage {stage} each "
@@ -1058,8 +1058,6 @@ def _check_tensor_parallel(degree: Any, offload: bool, compressor: Compressor | 
 def _check_pipeline(
     degree: Any,
     options: PipelineOptions | None,
-    tensor_parallel: int,
-    stage: int,
     offload: bool,
     compressor: Compressor | None,
     zero_options: ZeroOptions,
