@@ -88,6 +88,11 @@ class TensorParallelPlan:
     blocks: list[str] = field(default_factory=list)
     replicated: dict[str, str] = field(default_factory=dict)
     swapped_attention: list[str] = field(default_factory=list)  # nn.MultiheadAttention -> HeadedAttention
+    # Sequence parallelism (Korthikanti et al., 2022): the blocks' norms (names) run on the activation split along
+    # ``sequence_dim``; None: off (or refused: ``sequence_refused`` says why).
+    sequence_dim: int | None = None
+    norms: list[str] = field(default_factory=list)
+    sequence_refused: str | None = None
 
     def packed(self) -> dict[str, tuple[int, int]]:
         """Parameter name -> (pack count, dimension of the packed outputs), for the packed column splits'
@@ -304,24 +309,47 @@ def _conv1d_style_class(column: bool) -> Any:
     return Conv1DStyle
 
 
-def _apply_splits(root: nn.Module, splits: dict[str, Split], attributes: dict[str, dict[str, int]], mesh) -> None:
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+def _apply_splits(
+    root: nn.Module,
+    splits: dict[str, Split],
+    attributes: dict[str, dict[str, int]],
+    mesh,
+    norms: Iterable[str] = (),
+    sequence_dim: int | None = None,
+) -> None:
+    """Split ``root``'s modules named in ``splits``; with ``sequence_dim``, the blocks' column splits take their input
+    split along that dimension (gathered first), their row splits leave their output split along it
+    (reduce-scattered instead of all-reduced), and the ``norms`` run on the split activation."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        ParallelStyle,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
 
     degree = mesh.size()
+    column_kw: dict[str, Any] = {} if sequence_dim is None else {"input_layouts": Shard(sequence_dim)}
+    row_kw: dict[str, Any] = (
+        {} if sequence_dim is None else {"output_layouts": Shard(sequence_dim), "use_local_output": False}
+    )
     styles: dict[str, ParallelStyle] = {}
     for name, split in splits.items():
         module = _get(root, name)
         if split.style == "column":
             if split.pack > 1:
                 _pack_rows_(module, split.pack, degree)
-            styles[name] = _conv1d_style(True) if split.conv1d else ColwiseParallel()
+            styles[name] = _conv1d_style_class(True)(**column_kw) if split.conv1d else ColwiseParallel(**column_kw)
         elif split.style == "row":
-            styles[name] = _conv1d_style(False) if split.conv1d else RowwiseParallel()
+            styles[name] = _conv1d_style_class(False)(**row_kw) if split.conv1d else RowwiseParallel(**row_kw)
         elif split.style == "vocab_embedding":
             styles[name] = RowwiseParallel(input_layouts=Replicate())
         else:
             styles[name] = ColwiseParallel(output_layouts=Replicate())
+    if sequence_dim is not None:
+        for name in norms:
+            styles[name] = SequenceParallel(sequence_dim=sequence_dim, use_local_output=False)
     tied = {
         name: emb
         for name, split in splits.items()
@@ -338,8 +366,11 @@ def _apply_splits(root: nn.Module, splits: dict[str, Split], attributes: dict[st
             setattr(module, attr, value // degree)
 
 
-def _verify_block(block: nn.Module, splits, attributes, mesh, width: int) -> str | None:
-    """Split a copy of ``block`` and compare it with the original on one random input; None when equal."""
+def _verify_block(
+    block: nn.Module, splits, attributes, mesh, width: int, norms: Iterable[str] = (), sequence_dim: int | None = None
+) -> str | None:
+    """Split a copy of ``block`` and compare it with the original on one random input; None when equal. With
+    ``sequence_dim`` the copy runs sequence-parallel: its input split along that dimension, its output gathered."""
     device = next(block.parameters()).device
     if device.type == "meta":
         return None
@@ -353,8 +384,10 @@ def _verify_block(block: nn.Module, splits, attributes, mesh, width: int) -> str
     try:
         with torch.no_grad():
             expected = _first_tensor(reference(*args))
-            _apply_splits(trial, splits, attributes, mesh)
-            got = _first_tensor(trial(*args))
+            _apply_splits(trial, splits, attributes, mesh, norms, sequence_dim)
+            if sequence_dim is not None:
+                args = [_enter_sequence(a, mesh, sequence_dim) for a in args]
+            got = _whole(_first_tensor(trial(*args)), mesh)
         if got.shape != expected.shape:
             why = f"split output has shape {tuple(got.shape)}, expected {tuple(expected.shape)}"
         else:
@@ -371,6 +404,61 @@ def _verify_block(block: nn.Module, splits, attributes, mesh, width: int) -> str
     if flag.item() and why is None:
         why = "split output differs from the original on another rank"
     return why
+
+
+def _enter_sequence(x: torch.Tensor, mesh: Any, dim: int) -> torch.Tensor:
+    """The whole activation every rank of the group holds, as this rank's piece along ``dim`` (no message; its
+    gradient is gathered in backward)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if isinstance(x, DTensor):
+        return x
+    return DTensor.from_local(x, mesh, [Replicate()], run_check=False).redistribute(mesh, [Shard(dim)])
+
+
+def _whole(x: torch.Tensor, mesh: Any) -> torch.Tensor:
+    """A sequence-split activation gathered whole on every rank of the group (a plain tensor)."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if isinstance(x, DTensor):
+        return x.redistribute(mesh, [Replicate()]).to_local()
+    return x
+
+
+def _norms(block: nn.Module, splits: dict[str, Split]) -> list[str]:
+    """The block's normalization layers (a class named ``*Norm``, ``LayerNorm``/``RMSNorm``/``GroupNorm``...), by name
+    relative to the block; those inside a split linear's subtree excepted (none in practice)."""
+    return [
+        n
+        for n, m in block.named_modules()
+        if n and type(m).__name__.endswith("Norm") and not any(n.startswith(f"{k}.") for k in splits)
+    ]
+
+
+def _install_sequence_boundaries(model: nn.Module, blocks: list[str], mesh: Any, dim: int) -> None:
+    """Split the activation along ``dim`` where it enters each container's first block and gather it where it leaves
+    the container's last (blocks in between pass it on split)."""
+
+    def enter(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if args and isinstance(args[0], torch.Tensor):
+            return (_enter_sequence(args[0], mesh, dim), *args[1:]), kwargs
+        if isinstance(kwargs.get("hidden_states"), torch.Tensor):
+            return args, {**kwargs, "hidden_states": _enter_sequence(kwargs["hidden_states"], mesh, dim)}
+        return None
+
+    def leave(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        if isinstance(output, torch.Tensor):
+            return _whole(output, mesh)
+        if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+            return type(output)([_whole(output[0], mesh), *output[1:]])
+        return output
+
+    containers: dict[str, list[str]] = {}
+    for name in blocks:  # each container's run of blocks (an encoder's and a decoder's separately)
+        containers.setdefault(name.rpartition(".")[0], []).append(name)
+    for run in containers.values():
+        _get(model, run[0]).register_forward_pre_hook(enter, with_kwargs=True)
+        _get(model, run[-1]).register_forward_hook(leave)
 
 
 def _required_inputs(block: nn.Module) -> int:
@@ -399,13 +487,24 @@ def _block_width(block: nn.Module, splits: dict[str, Split]) -> int:
 
 
 def apply_tensor_parallel_(
-    model: nn.Module, mesh, plan: TensorParallelPlan | None = None, verify: bool = True
+    model: nn.Module,
+    mesh,
+    plan: TensorParallelPlan | None = None,
+    verify: bool = True,
+    sequence_parallel: bool = False,
 ) -> TensorParallelPlan:
     """Split ``model`` in place over the 1-D ``mesh`` (its tensor-parallel group) and return the plan applied.
 
     Parameters that stay whole are made identical on every rank of the group (rank 0's values), as the split
     ones are (``distribute_tensor`` takes rank 0's). With ``verify``, each block class is checked on a copy
-    first (see the module's docstring); a class that fails stays replicated and ``plan.replicated`` says why."""
+    first (see the module's docstring); a class that fails stays replicated and ``plan.replicated`` says why.
+
+    ``sequence_parallel`` (Korthikanti et al., 2022, "Reducing Activation Recomputation in Large Transformer
+    Models", section 4.2.2): between the blocks' split regions the activation stays split along its second dimension
+    (the sequence for batch-first blocks; any per-token dimension serves, as norms, dropout and residual additions
+    act per token), so what those layers save for backward is divided by the degree; each all-reduce becomes a
+    reduce-scatter and the input of each column split is all-gathered. Every block class is verified so; if one
+    fails, or some block stays whole, the model runs without it and ``plan.sequence_refused`` says why."""
     degree = mesh.size()
     swapped: list[str] = []
     if plan is None and degree > 1:
@@ -444,8 +543,42 @@ def apply_tensor_parallel_(
                     del plan.splits[key]
                 for key in [k for k in plan.attributes if k == name or k.startswith(f"{name}.")]:
                     del plan.attributes[key]
-    _apply_splits(model, plan.splits, plan.attributes, mesh)
+    if sequence_parallel and degree > 1:
+        _plan_sequence(model, plan, mesh, verify)
+    _apply_splits(model, plan.splits, plan.attributes, mesh, plan.norms, plan.sequence_dim)
+    if plan.sequence_dim is not None:
+        _install_sequence_boundaries(model, plan.blocks, mesh, plan.sequence_dim)
     return plan
+
+
+def _plan_sequence(model: nn.Module, plan: TensorParallelPlan, mesh: Any, verify: bool) -> None:
+    """Turn sequence parallelism on in ``plan`` when every block is split and every block class passes the check
+    sequence-parallel (else ``plan.sequence_refused`` says why)."""
+    dim = 1
+    whole = [n for n in plan.blocks if n in plan.replicated]
+    if not plan.blocks or whole:
+        plan.sequence_refused = (
+            f"blocks left whole ({', '.join(whole)}) would receive the split activation" if whole else "no blocks"
+        )
+        return
+    checked: dict[type, str | None] = {}
+    norms: list[str] = []
+    for name in plan.blocks:
+        block = _get(model, name)
+        if _required_inputs(block) > 1:  # a decoder layer's memory arrives whole: its projections would take it split
+            plan.sequence_refused = f"{type(block).__name__} takes a second input (cross-attention memory)"
+            return
+        splits, attributes = _relative(plan, name)
+        own = _norms(block, splits)
+        if verify and type(block) not in checked:
+            width = _block_width(block, splits)
+            checked[type(block)] = _verify_block(block, splits, attributes, mesh, width, own, dim)
+        why = checked.get(type(block))
+        if why is not None:
+            plan.sequence_refused = f"{type(block).__name__}: {why}"
+            return
+        norms += [f"{name}.{n}" for n in own]
+    plan.sequence_dim, plan.norms = dim, norms
 
 
 def split_grads_(model: nn.Module) -> None:

@@ -136,15 +136,20 @@ class TensorParallelEstimate:
         self.messages = _messages(subject, self.plan, example) if example is not None else []
         self.subject = subject
 
-    def activations(self, example: torch.Tensor, precision: str = "32-true") -> tuple[float, float, float]:
+    def activations(
+        self, example: torch.Tensor, precision: str = "32-true", sequence_parallel: bool = False
+    ) -> tuple[float, float, float]:
         """Per-rank saved activations, as :func:`~lightning_bigtrain.planning.planner.measure_activations` measures
         them, with what is saved inside the split regions (a column split's output to its row split's end) divided
-        by the degree: ``(plain, checkpointed, working set)``."""
+        by the degree, and with ``sequence_parallel`` what the split blocks save outside them too (but the column
+        splits' gathered inputs): ``(plain, checkpointed, working set)``."""
         from lightning_bigtrain.planning.planner import measure_activations
 
         columns = [self.subject.get_submodule(n) for n, s in self.plan.splits.items() if s.style == "column"]
         rows = [self.subject.get_submodule(n) for n, s in self.plan.splits.items() if s.style == "row"]
-        return measure_activations(self.subject, example, precision=precision, split=(columns, rows, self.degree))
+        blocks = [self.subject.get_submodule(n) for n in self.plan.blocks if n not in self.plan.replicated]
+        return measure_activations(self.subject, example, precision=precision, split=(columns, rows, self.degree),
+                                   sequence_blocks=blocks if sequence_parallel else ())  # fmt: skip
 
     def tensor_parallel_bytes(self, element_bytes: int) -> float:
         """Bytes one rank sends per step in the tensor-parallel collectives (ring equivalent)."""

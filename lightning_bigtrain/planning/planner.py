@@ -466,6 +466,7 @@ def measure_activations(
     precision: str = "32-true",
     weights_16bit: bool = False,
     split: tuple[Sequence[nn.Module], Sequence[nn.Module], int] | None = None,
+    sequence_blocks: Sequence[nn.Module] = (),
     breakdown: dict[str, Any] | None = None,
 ) -> tuple[float, float, float]:
     """Bytes the forward pass saves for backward (activations), measured on fake tensors: without and
@@ -482,7 +483,9 @@ def measure_activations(
 
     ``split=(columns, rows, T)``: tensor parallelism's per-rank share. What is saved between a column-split module's
     output and the end of the row-split module that closes its region (attention's heads, the MLP's hidden
-    activation, the row module's input) is split ``T`` ways; the rest is whole on every rank.
+    activation, the row module's input) is split ``T`` ways; the rest is whole on every rank. With ``sequence_blocks``
+    (sequence parallelism), what those blocks save outside the split regions (norms, dropout, residual additions) is
+    split ``T`` ways too, but for what a column-split module saves of its own input (gathered whole before it).
 
     ``breakdown``: a dict filled with ``"before"`` (bytes saved before the first of ``checkpoint_blocks`` runs),
     ``"blocks"`` (each block's), ``"after"`` (the rest), and ``"hidden"`` (the bytes of the first block's first
@@ -516,12 +519,15 @@ def measure_activations(
         return id(t.untyped_storage())
 
     inside = [0]  # split regions open (tensor parallelism): a column module's output until its row module's end
+    in_sequence = [0]  # inside a sequence-parallel block
+    in_column = [0]  # inside a column-split module's own forward (its input is gathered whole)
     share = 1 if split is None else split[2]
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         key = storage_key(t)
         if key not in param_storages and key not in saved:
-            saved[key] = t.untyped_storage().nbytes() / (share if inside[0] else 1)
+            divided = inside[0] or (in_sequence[0] and not in_column[0])
+            saved[key] = t.untyped_storage().nbytes() / (share if divided else 1)
         return t
 
     def total() -> float:
@@ -554,6 +560,17 @@ def measure_activations(
 
         hooks += [m.register_forward_hook(open_region) for m in columns]
         hooks += [m.register_forward_hook(close_region) for m in rows]
+        if sequence_blocks:
+
+            def flag(cell: list[int], value: int) -> Any:
+                def hook(*_: Any) -> None:
+                    cell[0] += value
+
+                return hook
+
+            for cell, modules in ((in_sequence, sequence_blocks), (in_column, columns)):
+                for m in modules:
+                    hooks += [m.register_forward_pre_hook(flag(cell, 1)), m.register_forward_hook(flag(cell, -1))]
     try:
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:
 

@@ -154,6 +154,10 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
             step-seeded RNG, launch method, backend, timeout.
         tensor_parallel: Tensor-parallel degree (ranks per group splitting each block); must divide the world
             size (with ``pipeline_parallel``, their product must). 1 (the default) is plain ZeRO.
+        sequence_parallel: With ``tensor_parallel``: between the blocks' split regions (norms, dropout, residual
+            additions) the activation stays split over the group along its second dimension, so what those layers
+            save for backward is divided by ``tensor_parallel`` (Korthikanti et al., 2022). Verified per block class;
+            a model it cannot apply to runs without it, with a warning. Not with ``pipeline_parallel`` yet.
         pipeline_parallel: Pipeline stages (ranks per pipeline); the largest container of repeated blocks is cut
             into that many stages (:mod:`lightning_bigtrain.functional.pipeline`). 1 (the default): no pipeline.
         pipeline: The schedule, micro-batch count and cut (:class:`PipelineOptions`); only with
@@ -177,6 +181,7 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         options: ZeroOptions | None = None,
         deepspeed: DeepSpeedOptions | None = None,
         tensor_parallel: int = 1,
+        sequence_parallel: bool = False,
         pipeline_parallel: int = 1,
         pipeline: PipelineOptions | None = None,
     ) -> None:
@@ -205,6 +210,7 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
             raise ValueError(f"`ZeroStrategy(min_wrap_params={min_wrap_params})`: must be >= 1.")
         compressor = resolve_compression(compression, "ZeroStrategy")
         _check_tensor_parallel(tensor_parallel, offload_optimizer or offload_params, compressor)
+        _check_sequence_parallel(sequence_parallel, tensor_parallel, pipeline_parallel)
         pipeline = _check_pipeline(pipeline_parallel, pipeline, offload_optimizer or offload_params, compressor,
                                    options)  # fmt: skip
         if compressor is not None and stage > 1 and not isinstance(compressor, Cast):
@@ -226,6 +232,7 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         self.tensor_parallel_plan: TensorParallelPlan | None = None
         self.pipeline_parallel = pipeline_parallel
         self.pipeline_options = pipeline
+        self.sequence_parallel = sequence_parallel
         self.pipeline_plan: PipelinePlan | None = None
         self._pipeline: PipelineRunner | None = None
         self._stage_group: Any = None  # with a pipeline: the ranks of this rank's stage (every data and tensor rank)
@@ -340,6 +347,12 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
             self.model_to_device()
             if self.tensor_parallel > 1 and not self._user_split():
                 self._split_tensors()
+            elif self.sequence_parallel:
+                raise ValueError(
+                    f"`ZeroStrategy(tensor_parallel={self.tensor_parallel}, sequence_parallel=True)`: "
+                    "`configure_model` split the module itself, so the strategy's sequence parallelism cannot apply. "
+                    "Drop sequence_parallel, or use torch's SequenceParallel style in your own plan."
+                )
             if self.device_mesh["data_parallel"].size() > 1 or self.tensor_parallel == 1:
                 shard_module_(
                     self.model,
@@ -481,8 +494,14 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
                                     group=mesh.get_group())  # fmt: skip
         seed_all_(int(seed.item()))
         self._rng_seed = int(seed.item())
-        plan = apply_tensor_parallel_(self.model, mesh)
+        plan = apply_tensor_parallel_(self.model, mesh, sequence_parallel=self.sequence_parallel)
         self.tensor_parallel_plan = plan
+        if plan.sequence_refused is not None:
+            warn_once(
+                f"`ZeroStrategy(tensor_parallel={self.tensor_parallel}, sequence_parallel=True)` runs without sequence "
+                f"parallelism: {plan.sequence_refused}. The blocks are split as with tensor parallelism alone.",
+                NoEffectWarning,
+            )
         if not plan.splits:
             warn_once(
                 f"`ZeroStrategy(tensor_parallel={self.tensor_parallel})` found nothing to split in "
@@ -1038,6 +1057,23 @@ class _FullWeightsLauncher(_MultiProcessingLauncher):
             weights_path = os.path.join(tempfile.mkdtemp(), ".temp.ckpt")
             self._strategy.checkpoint_io.save_checkpoint(state_dict, weights_path)
         return _WorkerOutput(best_model_path, weights_path, trainer.state, results, self.get_extra_results(trainer))
+
+
+def _check_sequence_parallel(sequence: Any, tensor_parallel: int, pipeline_parallel: int) -> None:
+    if not isinstance(sequence, bool):
+        raise TypeError(f"`ZeroStrategy(sequence_parallel={sequence!r})`: True or False.")
+    if not sequence:
+        return
+    if tensor_parallel < 2:
+        raise ValueError(
+            "`ZeroStrategy(sequence_parallel=True)` splits the activation over the tensor-parallel group: it needs "
+            "`tensor_parallel` >= 2."
+        )
+    if pipeline_parallel > 1:
+        raise ValueError(
+            f"`ZeroStrategy(sequence_parallel=True, pipeline_parallel={pipeline_parallel})` is not supported yet: "
+            "drop sequence_parallel, or pipeline_parallel."
+        )
 
 
 def _check_tensor_parallel(degree: Any, offload: bool, compressor: Compressor | None) -> None:

@@ -435,10 +435,12 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(name="zero2_mixed_cnn", model=_tiny_cnn, data=_tiny_fashion,
             trainer_kwargs=lambda: {**_zero(2)(), "precision": "bf16-mixed"}),
     # Tensor and pipeline parallelism: the 2 ranks split one model replica (the blocks' linears, or the blocks into
-    # stages), compared with DDP ranks that all step on the same batches. ZeRO-1 at tp=2: the FSDP2 path of stages
-    # 1-2 (a one-rank data axis here); the pipeline at its defaults (1F1B, 4 micro-batches of the batch of 8).
-    Setting(name="tp2_zero1_gpt", model=_tiny_gpt, data=_tiny_shakespeare,
-            trainer_kwargs=_model_parallel(stage=1, tensor_parallel=2), replicated_twin=_OneReplicaDDP),
+    # stages), compared with DDP ranks that all step on the same batches. ZeRO-1 at tp=2 with sequence parallelism:
+    # the FSDP2 path of stages 1-2 (a one-rank data axis here), the norms on the split activation; the pipeline at its
+    # defaults (1F1B, 4 micro-batches of the batch of 8).
+    Setting(name="tp2_sp_zero1_gpt", model=_tiny_gpt, data=_tiny_shakespeare,
+            trainer_kwargs=_model_parallel(stage=1, tensor_parallel=2, sequence_parallel=True),
+            replicated_twin=_OneReplicaDDP),
     Setting(name="pp2_gpt", model=_tiny_gpt, data=_tiny_shakespeare,
             trainer_kwargs=_model_parallel(pipeline_parallel=2), replicated_twin=_OneReplicaDDP),
 )  # fmt: skip
