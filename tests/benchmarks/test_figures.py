@@ -181,8 +181,13 @@ def test_what_a_file_does_not_record_is_said_to_be_not_recorded(tmp_path):
     assert "commit not recorded, command not recorded" in render("ddp", tmp_path).splitlines()[1]
     assert "at commit `b8ded6e`, `python -m benchmarks.ddp`" in render("ddp").splitlines()[1]  # it records both
     assert "at commit `95c1801`" in render("structured-peer").splitlines()[1]  # it records both
-    # pruning.json merges parts run separately (--parts) and records none of their runs
-    assert "whose dates, commits and commands the file does not record" in render("pruning").splitlines()[1]
+    # pruning.json merges parts run separately (--parts): a file that records none of their runs says so
+    pruning = _load("pruning.json")
+    for key in ("commit", "command", "runs"):
+        pruning.pop(key, None)
+    (tmp_path / "pruning.json").write_text(json.dumps(pruning))
+    assert "whose dates, commits and commands the file does not record" in render("pruning", tmp_path).splitlines()[1]
+    assert "commit `b8ded6e`, `python -m benchmarks.pruning`" in render("pruning").splitlines()[1]
 
 
 def test_the_rendering_follows_what_the_file_records(tmp_path):
