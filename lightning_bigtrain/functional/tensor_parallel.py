@@ -270,11 +270,6 @@ def _pack_rows_(module: nn.Module, pack: int, degree: int) -> None:
             p.copy_(reordered.reshape(q.shape).movedim(0, dim))
 
 
-def _conv1d_style(column: bool) -> Any:
-    """A ColwiseParallel / RowwiseParallel for Hugging Face's ``Conv1D`` (see :func:`_conv1d_style_class`)."""
-    return _conv1d_style_class(column)()
-
-
 @functools.cache
 def _conv1d_style_class(column: bool) -> Any:
     """ColwiseParallel / RowwiseParallel for Hugging Face's ``Conv1D``, whose weight is stored (in, out): a column

@@ -3,6 +3,7 @@ and less saved for backward per rank."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import lightning as L
@@ -105,10 +106,13 @@ def _family(rank: int, family: str, devices: int) -> dict[str, Any]:
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=6, limit_val_batches=0,
                         gradient_clip_val=1.0, enable_checkpointing=False, use_distributed_sampler=False,
                         callbacks=[losses], **_QUIET)  # fmt: skip
-    trainer.fit(model, datamodule=InOrder(_data(FAMILIES[family].data), batch_size=8))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, datamodule=InOrder(_data(FAMILIES[family].data), batch_size=8))
     plan = getattr(trainer.strategy, "tensor_parallel_plan", None)
+    warned = [str(w.message) for w in caught if "runs without sequence parallelism" in str(w.message)]
     return {"losses": losses.values, "dim": plan.sequence_dim if plan else None,
-            "refused": plan.sequence_refused if plan else None}  # fmt: skip
+            "refused": plan.sequence_refused if plan else None, "warned": warned}  # fmt: skip
 
 
 @pytest.mark.parametrize("family", ["hf_gpt2", "tv_vit", "lightning_demo_transformer"])
@@ -118,12 +122,15 @@ def test_models_we_did_not_write_under_sequence_parallel(family):
     trains as under tensor parallelism alone."""
     pytest.importorskip("transformers")
     expected = run_on_ranks(_family, family, 1, world_size=1, init_process_group=False)[0]["losses"]
-    for r in run_on_ranks(_family, family, 2, init_process_group=False):
+    results = run_on_ranks(_family, family, 2, init_process_group=False)
+    for r in results:
         if family == "lightning_demo_transformer":
             assert r["dim"] is None and "second input" in r["refused"], r
         else:
-            assert r["dim"] == 1 and r["refused"] is None, r
+            assert r["dim"] == 1 and r["refused"] is None and not r["warned"], r
         torch.testing.assert_close(r["losses"], expected, rtol=1e-5, atol=0)
+    if family == "lightning_demo_transformer":  # the refusal is said (on global rank 0), with its reason
+        assert results[0]["warned"] and "second input" in results[0]["warned"][0], results[0]
 
 
 def test_bad_sequence_parallel_arguments_are_refused_at_construction():
