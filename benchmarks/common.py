@@ -346,6 +346,14 @@ def print_table(rows: list[dict[str, Any]], columns: Sequence[str]) -> str:
     return text
 
 
+def _sent_to_others(payload: Any, splits: Any, world: int, group: Any) -> int:
+    import torch.distributed as dist
+
+    sizes = list(splits) if splits else [payload.numel() // world] * world
+    rank = dist.get_rank(group)
+    return sum(size for j, size in enumerate(sizes) if j != rank) * payload.element_size()
+
+
 @contextmanager
 def count_collectives(world: int, kinds: Sequence[str] | None = None) -> Iterator[dict[str, int]]:
     """Count ring-equivalent bytes this rank sends through torch.distributed collectives (an independent
@@ -385,6 +393,10 @@ def count_collectives(world: int, kinds: Sequence[str] | None = None) -> Iterato
         "all_gather": lambda a, k: factor * sum(map(nbytes, arg(a, k, 0, "tensor_list"))),
         "reduce_scatter": lambda a, k: factor * sum(map(nbytes, arg(a, k, 1, "input_list"))),
         "reduce": lambda a, k: factor * nbytes(arg(a, k, 0, "tensor")),
+        # All-to-all (ZeRO-2's compressed reduce-scatter): what goes to the other ranks.
+        "all_to_all_single": lambda a, k: _sent_to_others(
+            arg(a, k, 1, "input"), k.get("input_split_sizes", a[3] if len(a) > 3 else None), world, k.get("group")
+        ),
     }
     originals = {}
     for name, measure in measures.items():

@@ -1,6 +1,6 @@
 """GradientCompression: per-rank state (error feedback, PowerSGD factors, staged commits, byte counters) and the
-background exchange thread of compressed gradient averaging. The compressors it drives, and the method, are
-in :mod:`lightning_bigtrain.functional.compression`."""
+background exchange thread of compressed gradient averaging (all-reduce: DDP and ZeRO-1; reduce-scatter: ZeRO-2).
+The compressors it drives, and the method, are in :mod:`lightning_bigtrain.functional.compression`."""
 
 from __future__ import annotations
 
@@ -12,7 +12,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_bigtrain.functional.compression import Compressor, _finite, _Segment, allgather_bytes, allreduce_bytes
+from lightning_bigtrain.functional.compression import (
+    Compressor,
+    _finite,
+    _Gathered,
+    _Segment,
+    allgather_bytes,
+    allreduce_bytes,
+    reducescatter_bytes,
+)
 from lightning_bigtrain.functional.rng import fold_seed
 
 __all__ = ["GradientCompression"]
@@ -33,14 +41,21 @@ class GradientCompression:
         group: Process group; the default group if None.
         seed: Base seed of PowerSGD's initial factors (shared by all ranks) and of stochastic rounding
             (folded with rank, step and parameter, so a resumed run draws the same noise).
+        sharded: ZeRO-2 (:meth:`reduce_scatter`): each rank keeps only its slice of the averaged gradients, so the
+            error-feedback buffers are updated in place (one fp32 copy of the gradients per rank, not the two of the
+            all-reduce path's staged commit); after a step whose averages were not finite on some rank they restart
+            from zero on every rank.
     """
 
-    def __init__(self, compressor: Compressor, module: nn.Module, group: Any = None, seed: int = 0) -> None:
+    def __init__(
+        self, compressor: Compressor, module: nn.Module, group: Any = None, seed: int = 0, *, sharded: bool = False
+    ) -> None:
         self.compressor = compressor
         self.group = group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.seed = seed
+        self.sharded = sharded
         self.step = 0
         self.sent_bytes = 0.0  # cumulative, ring-equivalent, per rank
         self.dense_bytes = 0.0  # what an fp32 all-reduce of the same gradients would have sent
@@ -59,6 +74,7 @@ class GradientCompression:
         self._workspaces: dict[str, torch.Tensor] = {}
         self._executor: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
+        self._calls: dict[str, int] = {}  # sharded: reduce-scatters of each piece in this step (micro-batches)
 
     # -- transport helpers used by the compressors (run on the exchange thread) --
     def allreduce(self, tensor: torch.Tensor) -> None:
@@ -90,6 +106,16 @@ class GradientCompression:
         if not self.compressor.error_feedback:
             # Nothing to keep: compressors read (and may scribble on) it before writing the average there.
             return grad
+        if self.sharded:
+            # In place: the error buffer becomes gradient + error, and the compressor leaves the residual there.
+            error = self.errors.get(segment.name)
+            if error is None:
+                error = self.errors[segment.name] = grad.detach().reshape(-1).clone()
+            else:
+                if error.device != grad.device:  # restored from a checkpoint on the host
+                    error = self.errors[segment.name] = error.to(grad.device)
+                error.add_(grad.reshape(-1))
+            return error.view(segment.shape)
         out = self._buffer(segment.name, grad)
         error = self.errors.get(segment.name)
         if error is None:
@@ -119,7 +145,13 @@ class GradientCompression:
         return ws[:numel]
 
     def update_error(self, segment: _Segment, residual: torch.Tensor) -> None:
-        """Stage ``residual`` (what this rank's message left out) as the segment's next error."""
+        """Stage ``residual`` (what this rank's message left out) as the segment's next error (sharded: keep it,
+        in the error buffer :meth:`corrected` returned, where compressors leave it)."""
+        if self.sharded:
+            error = self.errors[segment.name]
+            if residual.data_ptr() != error.data_ptr():
+                error.copy_(residual.reshape(-1))
+            return
         self._staged_errors[segment.name] = residual.reshape(-1)
 
     def factor(self, segment: _Segment, columns: int, rank: int, dtype: torch.dtype) -> torch.Tensor:
@@ -181,6 +213,15 @@ class GradientCompression:
 
     def exchange(self, buffer: torch.Tensor, segments: list[_Segment]) -> torch.futures.Future[torch.Tensor]:
         """Start averaging a bucket on the exchange thread; the future's value is ``buffer``, averaged."""
+
+        def run() -> torch.Tensor:
+            self.exchange_now(segments)
+            return buffer
+
+        return self._submit(run)
+
+    def _submit(self, job: Any) -> torch.futures.Future[torch.Tensor]:
+        """Run ``job`` on the exchange thread (jobs run one at a time, in the order submitted)."""
         future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bigtrain-compression")
@@ -188,18 +229,103 @@ class GradientCompression:
         def run() -> None:
             try:
                 with self._lock:
-                    self.exchange_now(segments)
+                    result = job()
             except BaseException as err:
                 future.set_exception(err)  # type: ignore[arg-type]
             else:
-                future.set_result(buffer)
+                future.set_result(result)
 
         self._executor.submit(run)
         return future
 
+    def pieces(
+        self, buffer: torch.Tensor, params: list[torch.Tensor], offsets: list[int], chunk: int
+    ) -> list[list[tuple[_Segment, torch.Size]]]:
+        """A ZeRO-2 bucket cut where the ranks' slices begin: per rank ``j``, the parts of ``params`` (laid out in
+        ``buffer`` at ``offsets``) that fall in ``buffer[j * chunk : (j + 1) * chunk]``, each with its parameter's
+        shape (what decides whether it is compressed). A part's state is keyed ``"name[a:b]"`` (its range in the
+        flattened parameter), and it is compressed on its own (a 1-bit scale, a top-k, per part)."""
+        out: list[list[tuple[_Segment, torch.Size]]] = [[] for _ in range(self.world)]
+        for i, (p, start) in enumerate(zip(params, offsets, strict=True)):
+            n = p.numel()
+            if n == 0:
+                continue
+            name, index = self._names.get(id(p), (f"<unnamed {i}>", 1_000_000 + i))
+            for j in range(start // chunk, (start + n - 1) // chunk + 1):
+                a, z = max(start, j * chunk), min(start + n, (j + 1) * chunk)
+                key = f"{name}[{a - start}:{z - start}]"
+                calls = self._calls[key] = self._calls.get(key, -1) + 1  # micro-batches: fresh rounding noise
+                seed_index = fold_seed(fold_seed(index, j), calls)
+                out[j].append((_Segment(key, seed_index, torch.Size((z - a,)), buffer[a:z]), p.shape))
+        return out
+
+    def all_to_all(self, payload: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        """Send ``payload[sum(sizes[:j]) : sum(sizes[:j + 1])]`` to rank ``j``; returns what every rank sent this
+        rank (``world x sizes[rank]``, in rank order). Counts the bytes sent to the other ranks."""
+        mine = sizes[self.rank]
+        out = torch.empty(self.world * mine, dtype=payload.dtype, device=payload.device)
+        dist.all_to_all_single(out, payload, [mine] * self.world, sizes, group=self.group)
+        self.sent_bytes += sum(size for j, size in enumerate(sizes) if j != self.rank) * payload.element_size()
+        return out.view(self.world, -1)
+
+    def reduce_scatter_now(
+        self, buffer: torch.Tensor, params: list[torch.Tensor], offsets: list[int], chunk: int
+    ) -> torch.Tensor:
+        """ZeRO-2: this rank's slice ``buffer[rank * chunk : (rank + 1) * chunk]`` of the bucket's gradients averaged
+        over the ranks, compressed (blocking; the slice is returned, the rest of ``buffer`` is scratch).
+
+        Compressors whose messages are decoded (OneBit, TopK, Quantize) compress each rank's slice separately and
+        send it to that rank alone (an all-to-all: ``(N-1)/N`` of one compressed gradient per rank, as a dense
+        reduce-scatter sends ``(N-1)/N`` of a dense one); PowerSGD all-reduces its factors as it does under DDP
+        (they are small) and each rank rebuilds only its slice's rows' worth of the average. Error feedback acts on
+        each rank's whole local gradient before anything is sent. Warm-up steps reduce-scatter densely."""
+        c, world = self.compressor, self.world
+        lo = self.rank * chunk
+        mine = buffer[lo : lo + chunk]
+        self.dense_bytes += reducescatter_bytes(buffer.numel() * 4, world)
+        with torch.no_grad():
+            if self.step < c.warmup_steps:
+                reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+                reduce_scatter(mine, buffer, group=self.group)
+                self.sent_bytes += reducescatter_bytes(buffer.numel() * buffer.element_size(), world)
+                mine.div_(world)
+            elif isinstance(c, _Gathered):
+                c.reduce_scatter(self, self.pieces(buffer, params, offsets, chunk), mine)
+            else:
+                segments = self.segments(buffer, params, offsets)
+                compressed = [s for s in segments if c.compressible(s.shape)]
+                chosen = {id(s) for s in compressed}
+                c.exchange(self, compressed, [s for s in segments if id(s) not in chosen])
+            finite = _finite(mine.sum(dtype=torch.float32).reshape(1))
+            self._finite = finite if self._finite is None else self._finite & finite
+        return mine
+
+    def reduce_scatter(
+        self, buffer: torch.Tensor, params: list[torch.Tensor], offsets: list[int], chunk: int
+    ) -> torch.futures.Future[torch.Tensor]:
+        """:meth:`reduce_scatter_now` on the exchange thread; the future's value is this rank's averaged slice."""
+        return self._submit(lambda: self.reduce_scatter_now(buffer, params, offsets, chunk))
+
+    def state_bytes(self) -> int:
+        """Bytes of this rank's compression state: error feedback (with the all-reduce path's spare buffers),
+        PowerSGD factors, optimizer tensors kept per rank."""
+        tensors = [*self.errors.values(), *self.factors.values(), *self.rank_state.values(), *self._spare.values()]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
     def advance(self) -> None:
         """End one optimizer step: commit its compression state if all its averages were finite (else
-        drop it, as the gradient scaler drops the step), and count it (warm-up and seeds follow the count)."""
+        drop it, as the gradient scaler drops the step), and count it (warm-up and seeds follow the count).
+        Sharded, each rank saw only its slice: the ranks agree (one all-reduce of a flag), and after a step that was
+        not finite somewhere the error buffers, updated in place, restart from zero."""
+        self._calls.clear()
+        if self.sharded and self._finite is not None:
+            flag = self._finite.to(torch.int32).reshape(1)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+            self.sent_bytes += allreduce_bytes(flag.element_size(), self.world)
+            self._finite = flag.bool()
+            if not bool(self._finite):
+                for error in self.errors.values():
+                    error.zero_()
         if self._finite is None or bool(self._finite):
             for name, error in self._staged_errors.items():
                 old = self.errors.get(name)

@@ -10,6 +10,10 @@ the gradient bytes, as a ring all-reduce would. With fp32 AdamW a rank holds (8 
 parameter at stage 1 (4 + 4 + 8/N) and (4 + 12/N) at stage 2, where only its slice of the reduced
 gradients is kept (the ZeRO paper's formulas).
 
+With a gradient compressor, stage 2's reduce-scatter is a compressed one (each rank's slice compressed for that
+rank alone, error feedback on each rank's whole local gradient: one more fp32 gradient copy per rank, 4 bytes per
+parameter, counted in the model-state bytes); see :meth:`GradientCompression.reduce_scatter`.
+
 Mixed precision (``param_dtype=torch.bfloat16`` or ``torch.float16``) is the paper's layout: the replicated
 parameters and the gradient buckets are 16-bit, and each rank keeps the fp32 master copy of its slice in the
 optimizer state (key ``"master"``), steps it with fp32 gradients made for the step, and all-gathers the
@@ -140,8 +144,11 @@ class FlatShardedOptimizer(torch.optim.Optimizer):
         mesh: 1-D device mesh over the data-parallel ranks.
         bucket_bytes: Target bucket size.
         shard_gradients: Keep only this rank's slice of the gradients (ZeRO-2).
-        compression: Stage 1: a :class:`~lightning_bigtrain.functional.compression.GradientCompression`
-            engine that averages each gradient bucket (compressed all-reduce) instead of the reduce-scatter.
+        compression: A :class:`~lightning_bigtrain.engines.compression.GradientCompression` engine. Stage 1: it
+            averages each gradient bucket (compressed all-reduce) instead of the reduce-scatter. Stage 2 (an engine
+            made with ``sharded=True``): each bucket's reduce-scatter is its compressed one
+            (:meth:`~lightning_bigtrain.engines.compression.GradientCompression.reduce_scatter`), error feedback
+            kept per rank on its whole local gradient.
         reduce_dtype: Stage 2: reduce-scatter the gradients in this lower precision (``torch.float16`` or
             ``torch.bfloat16``), divided by the world size first; the kept slice stays in the parameters' dtype.
         param_dtype: Mixed precision: hold the replicated parameters and the gradient buckets in this 16-bit
@@ -185,8 +192,11 @@ class FlatShardedOptimizer(torch.optim.Optimizer):
         self.group = mesh.get_group()
         self.world = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
-        if compression is not None and shard_gradients:
-            raise ValueError("`FlatShardedOptimizer(compression=...)` applies to stage 1 (replicated gradients) only.")
+        if compression is not None and bool(shard_gradients) != bool(getattr(compression, "sharded", False)):
+            raise ValueError(
+                "`FlatShardedOptimizer(compression=...)`: stage 2 (shard_gradients=True) needs an engine made with "
+                "`GradientCompression(..., sharded=True)` (a compressed reduce-scatter), stage 1 one without."
+            )
         self.compression = compression  # a GradientCompression engine: stage 1's gradients are all-reduced by it
         self.reduce_dtype = reduce_dtype  # stage 2: reduce-scatter in this (lower) precision
         self.require_sync = True
@@ -291,8 +301,12 @@ class FlatShardedOptimizer(torch.optim.Optimizer):
 
     def _start_reduce(self, b: _Bucket) -> None:
         buffer = self._buffer(b)
-        if self.compression is not None:
+        if self.compression is not None and b.grad is not None:
             b.work = self.compression.exchange(buffer, self.compression.segments(buffer, b.params, b.offsets))
+            return
+        if self.compression is not None:  # stage 2: a compressed reduce-scatter; the future's value is the slice
+            b.work = self.compression.reduce_scatter(buffer, b.params, b.offsets, b.chunk)
+            self._bound_staging(b)
             return
         b.predivided = False
         if self.reduce_dtype is not None and buffer.dtype != self.reduce_dtype:
@@ -306,11 +320,14 @@ class FlatShardedOptimizer(torch.optim.Optimizer):
         b.work = _reduce_scatter(mine, buffer, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         self.comm_bytes += (self.world - 1) * mine.numel() * mine.element_size()
         if b.grad is None:
-            # Stage 2: at most _STAGED buckets' staging buffers alive at once (one being reduced while the next
-            # fills); without the bound every bucket's stayed until backward ended, a full gradient copy.
-            self._in_flight.append(b)
-            while len(self._in_flight) > _STAGED:
-                self._finish(self._in_flight.pop(0))
+            self._bound_staging(b)
+
+    def _bound_staging(self, b: _Bucket) -> None:
+        """Stage 2: at most _STAGED buckets' staging buffers alive at once (one being reduced while the next fills);
+        without the bound every bucket's stayed until backward ended, a full gradient copy."""
+        self._in_flight.append(b)
+        while len(self._in_flight) > _STAGED:
+            self._finish(self._in_flight.pop(0))
 
     def _on_backward_end(self) -> None:
         self._queued = False
@@ -380,11 +397,15 @@ class FlatShardedOptimizer(torch.optim.Optimizer):
     def _finish(self, b: _Bucket) -> None:
         """Wait for ``b``'s reduce-scatter; average this rank's slice, zero the slices it does not own (stage 1), or
         add it to the kept gradient slice and release the staging buffer (stage 2)."""
-        b.work.wait()
+        reduced = b.work.wait()
         b.work = None
         b.done = True
         lo, hi = self.rank * b.chunk, (self.rank + 1) * b.chunk
-        if b.grad is not None:
+        if b.grad is None and self.compression is not None:  # stage 2, compressed: the slice comes averaged
+            assert b.shard_grad is not None
+            b.shard_grad.add_(reduced)
+            b.staging = None
+        elif b.grad is not None:
             if self.compression is None and not b.predivided:  # the compressed exchange averages itself
                 b.grad[lo:hi].div_(self.world)
             b.grad[:lo].zero_()

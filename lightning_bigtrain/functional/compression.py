@@ -51,6 +51,7 @@ __all__ = [
     "TopK",
     "allgather_bytes",
     "allreduce_bytes",
+    "reducescatter_bytes",
 ]
 
 CastDtype = Literal["fp16", "bf16"]
@@ -60,6 +61,11 @@ _CAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 def allreduce_bytes(nbytes: int, world: int) -> float:
     """Bytes one rank sends in a ring all-reduce of an ``nbytes`` tensor."""
     return 2.0 * (world - 1) / world * nbytes
+
+
+def reducescatter_bytes(nbytes: int, world: int) -> float:
+    """Bytes one rank sends in a ring reduce-scatter of an ``nbytes`` tensor (half an all-reduce)."""
+    return (world - 1) / world * nbytes
 
 
 def allgather_bytes(nbytes: int, world: int) -> float:
@@ -224,6 +230,46 @@ class _Gathered(Compressor):
                 self.decode_add_(gathered[rank, offset : offset + nbytes], out)
             out.div_(engine.world)
             offset += size
+
+    def reduce_scatter(
+        self, engine: GradientCompression, pieces: list[list[tuple[_Segment, torch.Size]]], out: torch.Tensor
+    ) -> None:
+        """ZeRO-2: average into ``out`` (this rank's slice of the bucket) what every rank holds of it. ``pieces[j]``
+        are the parts of rank ``j``'s slice with their parameters' shapes: each rank compresses each part (with
+        error feedback) and sends rank ``j`` only its parts' payloads; parts of parameters this compressor leaves
+        dense travel as their values. Every rank decodes its own slice from all ranks' messages, in rank order."""
+        messages, sizes = [], []
+        for parts in pieces:
+            payloads = []
+            for s, shape in parts:
+                if self.compressible(shape):
+                    c = engine.corrected(s).reshape(-1)
+                    finite = _finite(c)
+                    generator = engine.generator(s, c.device) if self.stochastic() else None
+                    payload, residual = self.encode(c, generator)
+                    if self.error_feedback:
+                        engine.update_error(s, residual)
+                    payload = _poison_if(payload, finite, self.leading_dtype(s.view.dtype))
+                else:
+                    payload = s.view.contiguous().view(torch.uint8)
+                payloads.append(torch.nn.functional.pad(payload, (0, _align(payload.numel()) - payload.numel())))
+            message = torch.cat(payloads) if payloads else torch.empty(0, dtype=torch.uint8, device=out.device)
+            messages.append(message)
+            sizes.append(message.numel())
+        received = engine.all_to_all(torch.cat(messages), sizes)  # world x this rank's message size
+        out.zero_()  # the parts' views lie in ``out``
+        for rank in range(engine.world):
+            offset = 0
+            for s, shape in pieces[engine.rank]:
+                numel = s.view.numel()
+                if self.compressible(shape):
+                    nbytes = self.payload_nbytes(numel, s.view.element_size())
+                    self.decode_add_(received[rank, offset : offset + nbytes], s.view)
+                else:
+                    nbytes = numel * s.view.element_size()
+                    s.view.add_(received[rank, offset : offset + nbytes].view(s.view.dtype))
+                offset += _align(nbytes)
+        out.div_(engine.world)
 
 
 class TopK(_Gathered):

@@ -99,10 +99,12 @@ class ZeroCommon(StrategyMixinBase):
 
     def _log_state_bytes(self, local: dict[str, int]) -> None:
         """Keep this rank's model-state bytes in ``memory``; gather every rank's and log them on rank 0
-        (``zero/rank{r}_{params,grads,optimizer}_bytes``)."""
+        (``zero/rank{r}_{params,grads,optimizer}_bytes``, and ``_compression_bytes`` where a compressor keeps
+        per-rank state)."""
         self.memory = local
-        values = torch.tensor([local["params"], local["grads"], local["optimizer"]], dtype=torch.float64)
-        gathered = self.all_gather(values.to(self.root_device)).reshape(-1, 3).cpu()
+        names = ("params", "grads", "optimizer") + (("compression",) if "compression" in local else ())
+        values = torch.tensor([local[name] for name in names], dtype=torch.float64)
+        gathered = self.all_gather(values.to(self.root_device)).reshape(-1, len(names)).cpu()
         module = self.lightning_module
         if module is None or not self.is_global_zero:
             return
@@ -110,7 +112,7 @@ class ZeroCommon(StrategyMixinBase):
         metrics = {
             f"zero/rank{rank}_{name}_bytes": value
             for rank, row in enumerate(gathered.tolist())
-            for name, value in zip(("params", "grads", "optimizer"), row, strict=True)
+            for name, value in zip(names, row, strict=True)
         }
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)

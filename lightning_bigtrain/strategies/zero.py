@@ -148,8 +148,10 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
             such as ``"powersgd"``). Stage 1: any compressor; each gradient bucket is averaged by a
             compressed all-reduce (with error feedback, checkpointed) instead of the reduce-scatter, and the
             parameter all-gather after the step stays dense, so at most half of stage 1's bytes can be
-            saved. Stages 2 and 3: ``Cast("fp16" | "bf16")`` only, a low-precision reduce-scatter
-            (stage 3 through FSDP2's ``MixedPrecisionPolicy(reduce_dtype=...)``).
+            saved. Stage 2: ``Cast("fp16" | "bf16")`` reduce-scatters in 16 bits; any other compressor makes the
+            reduce-scatter a compressed one (each rank's slice compressed for that rank alone; error feedback on
+            each rank's whole local gradient, one more fp32 gradient copy per rank, counted in the model-state
+            bytes). Stage 3: ``Cast`` only (FSDP2's ``MixedPrecisionPolicy(reduce_dtype=...)``).
         options: The rarer knobs (:class:`ZeroOptions`): checkpoint layout, buffer broadcast,
             step-seeded RNG, launch method, backend, timeout.
         tensor_parallel: Tensor-parallel degree (ranks per group splitting each block); must divide the world
@@ -213,12 +215,18 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         _check_sequence_parallel(sequence_parallel, tensor_parallel, pipeline_parallel)
         pipeline = _check_pipeline(pipeline_parallel, pipeline, offload_optimizer or offload_params, compressor,
                                    options)  # fmt: skip
-        if compressor is not None and stage > 1 and not isinstance(compressor, Cast):
+        if compressor is not None and stage == 3 and not isinstance(compressor, Cast):
             raise ValueError(
-                f"`ZeroStrategy(stage={stage}, compression={compressor!r})` is not supported: at stage {stage} each "
-                "rank keeps only its slice of the reduced gradients, so it cannot apply a compressor whose "
-                "messages must be decoded whole (error feedback needs the full local gradient). Use stage=1 "
-                "with this compressor, or Cast('fp16'/'bf16') for a low-precision reduce-scatter."
+                f"`ZeroStrategy(stage=3, compression={compressor!r})` is not supported: stage 3 reduce-scatters "
+                "through FSDP2, which exchanges its gradients dense. Use stage=2 (a compressed reduce-scatter with "
+                "error feedback) or stage=1 with this compressor, or Cast('fp16'/'bf16') for a low-precision "
+                "reduce-scatter at stage 3."
+            )
+        if compressor is not None and stage == 2 and offload_optimizer and not isinstance(compressor, Cast):
+            raise ValueError(
+                f"`ZeroStrategy(stage=2, offload_optimizer=True, compression={compressor!r})` is not supported: "
+                "offloaded stage 2 runs on FSDP2, whose reduce-scatter is dense. Drop offload_optimizer (the "
+                "compressed reduce-scatter runs on the flat stage-2 engine), or use Cast('fp16'/'bf16')."
             )
         super().__init__(
             data_parallel_size="auto",
@@ -243,7 +251,8 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         self.options = options
         self.compression = compressor
         self._compression_active = False
-        self._compression = CompressionSupport(compressor) if compressor is not None and stage == 1 else None
+        compressed_flat = stage == 1 or (stage == 2 and not isinstance(compressor, Cast))
+        self._compression = CompressionSupport(compressor) if compressor is not None and compressed_flat else None
         self._rng_seed: int | None = None
         self._fsdp_comm: CommCounter | None = None
         self._logged_comm_bytes = 0
@@ -546,7 +555,9 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
             wrapped: list[torch.optim.Optimizer] = []
             engine = None
             if self._compression is not None and self._compression_active:
-                engine = GradientCompression(self._compression.compressor, self.model, mesh.get_group())
+                engine = GradientCompression(
+                    self._compression.compressor, self.model, mesh.get_group(), sharded=self.stage == 2
+                )
                 self._compression.attach(engine, self.global_rank)
             reduce_dtype = self._reduce_dtype()
             param_dtype = self._flat_param_dtype(engine is not None)
@@ -567,7 +578,8 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
                 wrapped.append(flat)
             self.optimizers = wrapped
             plugin = self.precision_plugin
-            if param_dtype == torch.float16 and isinstance(plugin, MixedPrecision) and plugin.scaler is not None:
+            sixteen = param_dtype == torch.float16 or (engine is not None and self.stage == 2)
+            if sixteen and isinstance(plugin, MixedPrecision) and plugin.scaler is not None:
                 # Every rank sees only its gradient slices: overflow is agreed over the group, so all skip alike.
                 plugin.scaler = FlatGradScaler(device=self.root_device.type, process_group=mesh.get_group())
         else:
@@ -840,8 +852,11 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
             warn_once(
                 f"`ZeroStrategy(stage={self.stage}, compression={self.compression!r})` with "
                 f"precision={plugin.precision!r} keeps fp32 replicated parameters and gradients (the compressed "
-                "all-reduce and its error feedback run in fp32), so stage 1 holds (4 + 4 + 8/N) bytes per "
-                "parameter instead of mixed precision's (2 + 2 + 12/N). Drop `compression=` for the 16-bit layout.",
+                "exchange and its error feedback run in fp32), so a rank holds "
+                + ("(4 + 4 + 8/N)" if self.stage == 1 else "(4 + 4 + 12/N), error feedback included,")
+                + " bytes per parameter instead of mixed precision's "
+                + ("(2 + 2 + 12/N)" if self.stage == 1 else "(2 + 14/N)")
+                + ". Drop `compression=` for the 16-bit layout.",
                 NoEffectWarning,
             )
             return None
@@ -939,7 +954,8 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
 
     @property
     def compression_engine(self) -> GradientCompression | None:
-        """Stage 1 with a compressor: the engine (error-feedback state, byte counters), once set up."""
+        """Stages 1-2 with a compressor (not Cast at stage 2): the engine (error-feedback state, byte counters), once
+        set up."""
         return None if self._compression is None else self._compression.engine
 
     @property
@@ -1008,7 +1024,12 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
 
         inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
         assert self.model is not None
-        self._log_state_bytes(model_state_bytes(self.model, inner))
+        state = model_state_bytes(self.model, inner)
+        engine = self.compression_engine
+        if engine is not None:  # error feedback (and factors) held per rank: model state too
+            state["compression"] = engine.state_bytes()
+            state["total"] += state["compression"]
+        self._log_state_bytes(state)
 
 
 def _background(writer_cls: type) -> type:

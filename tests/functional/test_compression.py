@@ -19,6 +19,7 @@ from lightning_bigtrain.functional.compression import (
     _topk_index,
     _unpack_bits,
     allreduce_bytes,
+    reducescatter_bytes,
 )
 from tests.helpers.distributed import run_on_ranks
 
@@ -237,3 +238,125 @@ def test_counted_bytes_reach_the_analytic_ratio():
         )
         measured = runs[0][i]["dense"] / runs[0][i]["sent"]
         assert 0.98 * analytic <= measured <= 1.02 * analytic, repr(compressor)
+
+
+# -- ZeRO-2: the compressed reduce-scatter (each rank keeps its slice of the average) --
+
+
+def _reduce_scatter(
+    rank: int, compressor, shapes, steps: int, poison_step: int | None = None, low_rank: bool = False
+) -> dict:
+    """Each step: the parameters' gradients laid out in one bucket padded to a multiple of 2 (as ZeRO-2 lays them
+    out), this rank's averaged slice back."""
+    module = _Params(shapes)
+    engine = GradientCompression(compressor, module, sharded=True)
+    params = list(module.parameters())
+    offsets = [sum(math.prod(s) for s in shapes[:i]) for i in range(len(shapes))]
+    total = sum(math.prod(s) for s in shapes)
+    chunk = -(-total // 2)
+    outputs, inputs, errors_after = [], [], []
+    for step in range(steps):
+        grads = _grads(rank, step, shapes, low_rank)
+        if step == poison_step and rank == 0:
+            grads[0].view(-1)[-1] = float("inf")  # in rank 1's slice: rank 0's own slice stays finite
+        buffer = torch.nn.functional.pad(torch.cat([g.reshape(-1) for g in grads]), (0, 2 * chunk - total))
+        inputs.append(buffer.clone())
+        outputs.append(engine.reduce_scatter(buffer, params, offsets, chunk).wait().clone())
+        engine.advance()
+        errors_after.append({k: v.clone() for k, v in engine.errors.items()})
+    engine.close()
+    return {"inputs": inputs, "outputs": outputs, "errors": errors_after, "sent": engine.sent_bytes,
+            "dense": engine.dense_bytes, "state_bytes": engine.state_bytes(), "chunk": chunk}  # fmt: skip
+
+
+def _reduce_scatter_each(rank: int, compressors, *args) -> list[dict]:
+    return [_reduce_scatter(rank, c, *args) for c in compressors]
+
+
+def _flat_errors(errors: dict, shapes) -> torch.Tensor:
+    """The pieces' error buffers ("ps.i[a:b]") put back where their parameters lie in the bucket."""
+    out = torch.zeros(sum(math.prod(s) for s in shapes))
+    offsets = [sum(math.prod(s) for s in shapes[:i]) for i in range(len(shapes))]
+    for key, value in errors.items():
+        name, _, span = key.partition("[")  # PowerSGD keeps whole parameters' errors: no range
+        a, b = (int(x) for x in span.rstrip("]").split(":")) if span else (0, value.numel())
+        start = offsets[int(name.removeprefix("ps."))]
+        out[start + a : start + b] = value
+    return out
+
+
+@pytest.mark.integration
+def test_compressed_reduce_scatter_gives_each_rank_its_slice_of_the_average():
+    """TopK(1.0) sends everything (exact), PowerSGD finds rank-1-per-rank averages, Quantize is within one step; a
+    parameter cut by the slice boundary (the first, 48 x 40 = 1920 of 2728 values) is split between the ranks."""
+    cases = [
+        (TopK(ratio=1.0), 1e-6),
+        (PowerSGD(rank=2), 1e-4),
+        (Quantize(8, block=16), 16.0 / 127),
+        (TopK(ratio=1.0, min_compress_numel=100), 1e-6),
+    ]  # fmt: skip  (the last: the bias travels dense)
+    runs = run_on_ranks(_reduce_scatter_each, [c for c, _ in cases], SHAPES, 2, None, True)
+    for i, (compressor, atol) in enumerate(cases):
+        r0, r1 = runs[0][i], runs[1][i]
+        chunk = r0["chunk"]
+        assert chunk < 48 * 40  # the slice boundary cuts the first matrix
+        for step in range(2):
+            dense = (r0["inputs"][step] + r1["inputs"][step]) / 2
+            got = torch.cat([r0["outputs"][step], r1["outputs"][step]])
+            torch.testing.assert_close(got, dense, rtol=0, atol=atol, msg=repr(compressor))
+
+
+@pytest.mark.integration
+def test_compressed_reduce_scatter_error_feedback_loses_nothing():
+    """Per rank, what its slices received plus its carried error telescopes to what it was given, with the error
+    buffers updated in place (one per piece of a parameter)."""
+    compressors = [TopK(0.05), OneBit(), PowerSGD(rank=2)]
+    steps = 4
+    runs = run_on_ranks(_reduce_scatter_each, compressors, SHAPES, steps)
+    for i, compressor in enumerate(compressors):
+        r0, r1 = runs[0][i], runs[1][i]
+        sent = sum(torch.cat([r0["outputs"][t], r1["outputs"][t]]) for t in range(steps))
+        given = sum((r0["inputs"][t] + r1["inputs"][t]) / 2 for t in range(steps))
+        carried = (_flat_errors(r0["errors"][-1], SHAPES) + _flat_errors(r1["errors"][-1], SHAPES)) / 2
+        total = sum(math.prod(s) for s in SHAPES)
+        torch.testing.assert_close(sent[:total] + carried, given[:total], rtol=0, atol=1e-4, msg=repr(compressor))
+        assert (sent - given).abs().max() > 1e-2, f"{compressor} should have left something out"
+        if not isinstance(compressor, PowerSGD):  # one piece per rank's slice of the cut parameter
+            assert {"ps.0[0:1364]", "ps.0[1364:1920]"} <= r0["errors"][-1].keys(), r0["errors"][-1].keys()
+        assert r0["state_bytes"] >= 4 * total  # one fp32 error buffer per gradient entry (PowerSGD: + its Q)
+
+
+@pytest.mark.integration
+def test_compressed_reduce_scatter_overflow_is_agreed_and_restarts_error_feedback():
+    """Rank 0's gradient overflows inside rank 1's slice: rank 1's slice is not finite, rank 0's is; the ranks
+    agree the step was not finite (a gradient scaler skips it everywhere) and both restart error feedback."""
+    runs = run_on_ranks(_reduce_scatter_each, [TopK(0.1), OneBit()], SHAPES, 3, 1)
+    for i in range(2):
+        assert torch.isfinite(runs[0][i]["outputs"][1]).all() and not torch.isfinite(runs[1][i]["outputs"][1]).all()
+        for rank in (0, 1):
+            errors = runs[rank][i]["errors"]
+            assert all(bool((v == 0).all()) for v in errors[1].values()), f"rank {rank}: errors not restarted"
+            assert all(bool(v.abs().sum() > 0) for v in errors[2].values()), "error feedback resumes the next step"
+            assert all(torch.isfinite(v).all() for v in errors[2].values())
+
+
+@pytest.mark.integration
+def test_compressed_reduce_scatter_bytes_against_a_dense_reduce_scatter():
+    """Counted bytes against an fp32 reduce-scatter of the same bucket: each rank's slice goes to that rank only,
+    so 1-bit sends 1/32 of a dense reduce-scatter (an all-gather of whole messages would send 1/16 at N=2)."""
+    compressors = [OneBit(), TopK(0.01), Quantize(8), PowerSGD(rank=4)]
+    shapes = [(256, 512), (512, 128)]
+    runs = run_on_ranks(_reduce_scatter_each, compressors, shapes, 1)
+    total = sum(math.prod(s) for s in shapes)
+    for i, compressor in enumerate(compressors):
+        ratio = runs[0][i]["dense"] / runs[0][i]["sent"]
+        assert runs[0][i]["dense"] == reducescatter_bytes(total * 4, 2)
+        if isinstance(compressor, PowerSGD):  # its factors are all-reduced: twice the reduce-scatter's share
+            analytic = reducescatter_bytes(total * 4, 2) / sum(compressor.sent_bytes(torch.Size(s), 4, 2)
+                                                               for s in shapes)  # fmt: skip
+        else:
+            analytic = reducescatter_bytes(total * 4, 2) / sum(
+                compressor.sent_bytes(torch.Size(s), 4, 2) / 2 for s in shapes)  # fmt: skip
+        assert 0.98 * analytic <= ratio <= 1.02 * analytic, (repr(compressor), ratio, analytic)
+    onebit = runs[0][0]["dense"] / runs[0][0]["sent"]
+    assert onebit > 31, onebit

@@ -339,8 +339,10 @@ SETTINGS: tuple[Setting, ...] = (
                      r"`CompressedDDPStrategy\(compression='zip'\)` is not supported"),
             BadInput("own_hook", lambda: CompressedDDPStrategy("topk", ddp_comm_hook=print), ValueError,
                      r"ddp_comm_hook=...\)` is not supported: the strategy registers its own"),
-            BadInput("zero2_topk", lambda: ZeroStrategy(stage=2, compression="topk"), ValueError,
-                     r"`ZeroStrategy\(stage=2, compression=TopK\(.*\)\)` is not supported.*Use stage=1"),
+            BadInput("zero3_topk", lambda: ZeroStrategy(stage=3, compression="topk"), ValueError,
+                     r"`ZeroStrategy\(stage=3, compression=TopK\(.*\)\)` is not supported.*Use stage=2"),
+            BadInput("zero2_offload_topk", lambda: ZeroStrategy(stage=2, offload_optimizer=True, compression="topk"),
+                     ValueError, r"offload_optimizer=True, compression=TopK.*Drop offload_optimizer"),
         ),
     ),
     Setting(name="ddp_topk_cnn", model=_tiny_cnn, data=_tiny_fashion,
@@ -349,6 +351,9 @@ SETTINGS: tuple[Setting, ...] = (
             trainer_kwargs=lambda: {"strategy": CompressedDDPStrategy(Quantize(4))}),
     Setting(name="zero1_onebit_gpt", model=_tiny_gpt_dropout, data=_tiny_shakespeare,
             trainer_kwargs=lambda: {"strategy": ZeroStrategy(stage=1, min_wrap_params=1000, compression=OneBit())}),
+    # ZeRO-2's compressed reduce-scatter: error feedback kept per rank (in place), checkpointed per rank.
+    Setting(name="zero2_topk_gpt", model=_tiny_gpt_dropout, data=_tiny_shakespeare,
+            trainer_kwargs=lambda: {"strategy": ZeroStrategy(stage=2, min_wrap_params=1000, compression=TopK(0.05))}),
     Setting(name="zero2_fp16_cnn", model=_tiny_cnn, data=_tiny_fashion,
             trainer_kwargs=lambda: {"strategy": ZeroStrategy(stage=2, min_wrap_params=1000, compression="fp16")}),
     # Knowledge distillation: logit KD with an annealed alpha and a FitNets hint (its projection is trained and
