@@ -136,9 +136,15 @@ class RunReport(Callback):
     @staticmethod
     def _count(trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> dict[str, int]:
         """Model-state bytes: the strategy's own count where it keeps states the module does not show
-        (DeepSpeed's engine: flat fp32 partitions, gradient buffers), else the module's and optimizer's."""
+        (DeepSpeed's engine: flat fp32 partitions, gradient buffers), else the module's and optimizer's; plus a
+        gradient compressor's per-rank state (error feedback, PowerSGD factors) as ``"compression"``."""
         own = getattr(trainer.strategy, "model_state_bytes", None)
-        return own() if callable(own) else model_state_bytes(pl_module, optimizer)
+        state = own() if callable(own) else model_state_bytes(pl_module, optimizer)
+        engine = getattr(trainer.strategy, "compression_engine", None)
+        if engine is not None:
+            state = {**state, "compression": engine.state_bytes()}
+            state["total"] += state["compression"]
+        return state
 
     @override
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -307,10 +307,16 @@ class GradientCompression:
         return self._submit(lambda: self.reduce_scatter_now(buffer, params, offsets, chunk))
 
     def state_bytes(self) -> int:
-        """Bytes of this rank's compression state: error feedback (with the all-reduce path's spare buffers),
-        PowerSGD factors, optimizer tensors kept per rank."""
-        tensors = [*self.errors.values(), *self.factors.values(), *self.rank_state.values(), *self._spare.values()]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        """Bytes of this rank's compression state held now: error feedback (the all-reduce path keeps two buffers per
+        tensor in steady state, the committed one and the one being written or recycled; sharded, one), PowerSGD
+        factors (the committed and the staged ``Q``), optimizer tensors kept per rank."""
+        tensors = [*self.errors.values(), *self._staged_errors.values(), *self._spare.values(),
+                   *self.factors.values(), *self._staged_factors.values(), *self.rank_state.values()]  # fmt: skip
+        seen: dict[tuple[int, torch.device], int] = {}
+        for t in tensors:
+            storage = t.untyped_storage()
+            seen[(storage.data_ptr(), t.device)] = storage.nbytes()
+        return sum(seen.values())
 
     def advance(self) -> None:
         """End one optimizer step: commit its compression state if all its averages were finite (else

@@ -115,6 +115,11 @@ class Compressor:
         """Analytic bytes one rank sends for one compressed tensor of ``shape``."""
         raise NotImplementedError
 
+    def reduce_scatter_bytes(self, shape: torch.Size, element_size: int, world: int) -> float:
+        """Analytic bytes one rank sends for one compressed tensor of ``shape`` in ZeRO-2's compressed
+        reduce-scatter (PowerSGD: its factors' all-reduce, as under DDP)."""
+        return self.sent_bytes(shape, element_size, world)
+
     def exchange(self, engine: GradientCompression, compressed: list[_Segment], dense: list[_Segment]) -> None:
         """Write the rank average of every segment's (error-corrected) gradient into its view."""
         raise NotImplementedError
@@ -203,6 +208,10 @@ class _Gathered(Compressor):
 
     def sent_bytes(self, shape: torch.Size, element_size: int, world: int) -> float:
         return allgather_bytes(_align(self.payload_nbytes(math.prod(shape), element_size)), world)
+
+    def reduce_scatter_bytes(self, shape: torch.Size, element_size: int, world: int) -> float:
+        # Each rank's slice goes to that rank alone: (N-1)/N of one message, not N-1 messages.
+        return allgather_bytes(_align(self.payload_nbytes(math.prod(shape), element_size)), world) / world
 
     def exchange(self, engine: GradientCompression, compressed: list[_Segment], dense: list[_Segment]) -> None:
         engine.allreduce_mean(dense)

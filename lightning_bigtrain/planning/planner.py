@@ -12,10 +12,10 @@ collective communication operations in MPICH", 2005): a ring step costs ``alpha 
 or reduce-scatter takes N-1 steps of M/N bytes, an all-reduce 2(N-1). Across nodes the ring is limited by the
 inter-node link. The method card, with the planner against measured runs, is ``docs/planning.md``.
 
-Compressed rows (``ddp_<compressor>``, ``zero1_<compressor>``, and ``zero2_fp16`` / ``zero3_fp16``) use each
-compressor's own byte formula per parameter (``Compressor.sent_bytes``; dense fp32/grad-dtype all-reduce for
-what it leaves dense), add the error-feedback buffer to the gradients' memory, and leave out the time spent
-compressing. They are lossy, so the recommendation is taken among the dense rows and a note names the fastest
+Compressed rows (``ddp_<compressor>``, ``zero1_<compressor>``, ``zero2_<compressor>`` and ``zero3_fp16``) use each
+compressor's own byte formula per parameter (``Compressor.sent_bytes``, at stage 2
+``Compressor.reduce_scatter_bytes``; dense fp32/grad-dtype all-reduce or reduce-scatter for what it leaves dense),
+add the error-feedback buffer to the gradients' memory, and leave out the time spent compressing. They are lossy, so the recommendation is taken among the dense rows and a note names the fastest
 compressed row that fits when it is faster.
 """
 
@@ -61,7 +61,7 @@ _COMPRESSORS = tuple(name for name in COMPRESSION_NAMES if name != "bf16")
 COMPRESSED_STRATEGIES: dict[str, tuple[str, str]] = {
     **{f"ddp_{c}": ("ddp", c) for c in _COMPRESSORS},
     **{f"zero1_{c}": ("zero1", c) for c in _COMPRESSORS},
-    "zero2_fp16": ("zero2", "fp16"),
+    **{f"zero2_{c}": ("zero2", c) for c in _COMPRESSORS},
     "zero3_fp16": ("zero3", "fp16"),
 }
 # Registered strategy name for each row.
@@ -955,12 +955,13 @@ def _plan(model_or_num_params: nn.Module | int, cluster: Cluster, workload: Work
             if cname == "powersgd" and shapes is None:
                 continue
             base_row, base_g_bytes = rows[base], g_bytes
-            if mixed and base == "zero2":
+            if mixed and base == "zero2" and cname == "fp16":
                 base_g_bytes = 2  # 16-bit gradient buckets already
-            elif mixed and base == "zero1":
-                # A compressor keeps stage 1's replicas and gradients in fp32 (the strategy warns so).
-                p_dev, g_dev, s_dev, transient, sent, seconds = flat_row(1, False)
-                base_row = PlanRow("zero1", p_dev, g_dev, s_dev, activations, transient + backward_extra, 0.0,
+            elif mixed and base in ("zero1", "zero2"):
+                # A compressor keeps stage 1-2's replicas and gradients in fp32 (the strategy warns so).
+                stage = int(base[-1])
+                p_dev, g_dev, s_dev, transient, sent, seconds = flat_row(stage, False)
+                base_row = PlanRow(base, p_dev, g_dev, s_dev, activations, transient + backward_extra, 0.0,
                                    sent, seconds, 0.0, fits=False)  # fmt: skip
             row = _compressed_row(name, base_row, cname, shapes, psi_train, base_g_bytes, n, beta, latency,
                                   ddp_buckets)  # fmt: skip
@@ -1010,14 +1011,13 @@ def _compressed_row(
     buckets: int,
 ) -> PlanRow:
     """``base`` with its gradient exchange replaced by compressor ``cname`` (see the module docstring)."""
-    from lightning_bigtrain.functional.compression import Cast, PowerSGD, allreduce_bytes
+    from lightning_bigtrain.functional.compression import Cast, PowerSGD, allreduce_bytes, reducescatter_bytes
 
     compressor = COMPRESSION_NAMES[cname]()
     ring = (n - 1) / n
     stage = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3}[base.strategy]
-    if stage >= 2:
+    if stage >= 2 and isinstance(compressor, Cast):
         # A low-precision reduce-scatter: the gradient half of the base row's traffic is halved.
-        assert isinstance(compressor, Cast)
         # Stage 2 (flat buckets): the reduce-scatter is half the traffic; stage 3: the gradients' share.
         grad_part = base.comm_bytes_per_step / 2 if stage == 2 else ring * psi_train * g_bytes
         saved = grad_part * max(0.0, 1 - 2 / g_bytes)  # nothing to save when gradients are 16-bit already
@@ -1029,22 +1029,30 @@ def _compressed_row(
     if shapes is None:  # a bare count: one matrix-free stand-in, compressed as a whole
         shapes = [torch.Size((psi_train,))]
     grad_sent = 0.0
-    state = 0.0  # per-rank compression state: error feedback and PowerSGD's warm-start factors Q (m x rank)
+    # Per-rank compression state: error feedback (the all-reduce path stages each step's buffer before committing it:
+    # two per tensor; stage 2's are updated in place: one) and PowerSGD's warm-start factors Q (m x rank; the
+    # committed and the staged one).
+    state = 0.0
+    copies = 1 if stage == 2 else 2
     for shape in shapes:
         numel = math.prod(shape)
         if compressor.compressible(shape):
-            grad_sent += compressor.sent_bytes(shape, g_bytes, n)
-            state += numel * g_bytes if compressor.error_feedback else 0.0
+            grad_sent += (compressor.reduce_scatter_bytes if stage == 2 else compressor.sent_bytes)(shape, g_bytes, n)
+            state += copies * numel * g_bytes if compressor.error_feedback else 0.0
             if isinstance(compressor, PowerSGD):
-                state += math.prod(shape[1:]) * compressor.rank * g_bytes
-        else:
-            grad_sent += allreduce_bytes(numel * g_bytes, n)
-    # Latency: per bucket, an all-reduce (2(N-1) steps) or an all-gather (N-1); PowerSGD two all-reduces.
+                state += 2 * math.prod(shape[1:]) * compressor.rank * g_bytes
+        else:  # dense: the all-reduce (stage 2: the reduce-scatter; PowerSGD all-reduces it with its factors)
+            dense = reducescatter_bytes if stage == 2 and not isinstance(compressor, PowerSGD) else allreduce_bytes
+            grad_sent += dense(numel * g_bytes, n)
+    # Latency: per bucket, an all-reduce (2(N-1) steps) or an all-gather / all-to-all (N-1); PowerSGD two
+    # all-reduces.
     steps = {"powersgd": 4, "fp16": 2}.get(cname, 1) * (n - 1)
     seconds = buckets * steps * latency + grad_sent / beta
+    if stage == 2:  # the ranks agree each step whether its averages were finite: one 4-byte all-reduce
+        grad_sent += allreduce_bytes(4, n)
     if stage == 0:
         sent = grad_sent
-    else:  # ZeRO-1: the parameter all-gather after the step stays dense (half of the base row's traffic)
+    else:  # ZeRO-1/2: the parameter all-gather after the step stays dense (half of the base row's traffic)
         sent = grad_sent + base.comm_bytes_per_step / 2
         seconds += base.comm_seconds_per_step / 2
     return PlanRow(name, base.params_bytes, base.grads_bytes + state, base.optimizer_bytes, base.activation_bytes,

@@ -170,13 +170,18 @@ def test_compressed_rows_follow_each_compressors_byte_formula():
     assert result["ddp_topk"].comm_bytes_per_step == pytest.approx(dense / 50, rel=0.02)
     assert result["ddp_onebit"].comm_bytes_per_step < dense / 25
     assert result["ddp_powersgd"].comm_bytes_per_step < dense / 5
-    # Error feedback costs one gradient-sized buffer; the unbiased Quantize keeps none.
+    # Error feedback costs two gradient-sized buffers under an all-reduce (the committed one and the one being
+    # written), one at ZeRO-2 (updated in place); the unbiased Quantize keeps none.
     psi = sum(p.numel() for p in model.parameters())
-    assert result["ddp_topk"].grads_bytes - result["ddp"].grads_bytes == 4 * psi
+    assert result["ddp_topk"].grads_bytes - result["ddp"].grads_bytes == 8 * psi
+    assert result["zero2_topk"].grads_bytes - result["zero2"].grads_bytes == 4 * psi
     assert result["ddp_int8"].grads_bytes == result["ddp"].grads_bytes
     # ZeRO-1 keeps its dense parameter all-gather; ZeRO-2 with fp16 halves only the reduce-scatter.
     assert result["zero1_topk"].comm_bytes_per_step > result["zero1"].comm_bytes_per_step / 2
     assert result["zero2_fp16"].comm_bytes_per_step == pytest.approx(0.75 * result["zero2"].comm_bytes_per_step)
+    # ZeRO-2 with 1 bit: the reduce-scatter's half of the traffic sent at ~1/32 (each slice to its rank only).
+    reduce_scatter = result["zero2"].comm_bytes_per_step / 2
+    assert result["zero2_onebit"].comm_bytes_per_step == pytest.approx(reduce_scatter * (1 + 1 / 32), rel=0.02)
     # On a 100 Mbit/s link compression pays: the plan says so, but recommends a dense (lossless) row.
     assert result.recommendation in STRATEGIES
     assert any("with gradient compression" in note for note in result.notes)

@@ -70,10 +70,6 @@ def _measure(rank: int, name: str, precision: str = "32-true") -> dict:
                             enable_model_summary=False, callbacks=callbacks, precision=precision)  # fmt: skip
         data = ShakespeareDataModule(block_size=_BATCH[1], batch_size=_BATCH[0], subset=256)
         trainer.fit(model, datamodule=data)
-    engine = getattr(trainer.strategy, "compression_engine", None)
-    # Compression state is model state too: error-feedback buffers and PowerSGD's warm-start factors.
-    state = [*engine.errors.values(), *engine.factors.values()] if engine else []
-    error_bytes = sum(t.numel() * t.element_size() for t in state)
     at, peak = timeline.live_bytes() if "_" not in name else ({}, {})
     # The largest gradient message an asynchronous reduce-scatter may leave "live" in the record: the flat
     # engine's largest bucket (ZeRO-1/2), FSDP2's largest unit, unsharded (ZeRO-3); DDP: none.
@@ -87,7 +83,8 @@ def _measure(rank: int, name: str, precision: str = "32-true") -> dict:
         bucket = max(bucket, own)
     return {
         "bucket": bucket,
-        "states": report.report["model_state_bytes_per_rank"][rank] + error_bytes,
+        # Compression state (error feedback, PowerSGD's factors) is in it: RunReport counts it as model state.
+        "states": report.report["model_state_bytes_per_rank"][rank],
         "comm": callbacks[-1].per_step if name != "ddp" else None,
         # Tensor bytes live at the steady state's peak, less the dataset's tensors.
         "peak": peak["steps"] - (at["data"] - at["model"]) if peak else None,
@@ -96,7 +93,20 @@ def _measure(rank: int, name: str, precision: str = "32-true") -> dict:
 
 @pytest.mark.parametrize(
     ("name", "precision"),
-    [(n, "32-true") for n in ("ddp", "zero1", "zero2", "zero3", "ddp_powersgd", "zero1_topk", "zero2_fp16")]
+    [
+        (n, "32-true")
+        for n in (
+            "ddp",
+            "zero1",
+            "zero2",
+            "zero3",
+            "ddp_powersgd",
+            "zero1_topk",
+            "zero2_fp16",
+            "zero2_topk",
+            "zero2_powersgd",
+        )
+    ]
     + [("zero1", "bf16-mixed"), ("zero2", "bf16-mixed")],
 )
 def test_predictions_match_what_the_strategies_hold_and_send(name, precision):
@@ -128,4 +138,8 @@ def test_predictions_match_what_the_strategies_hold_and_send(name, precision):
             upper = 1.25 if name == "zero3" else 1.10
             assert 0.90 * predicted.peak_bytes <= measured["peak"] <= upper * predicted.peak_bytes + stray
         if measured["comm"] is not None:
-            assert measured["comm"] == pytest.approx(predicted.comm_bytes_per_step, rel=1e-9)
+            # ZeRO-2's compressed reduce-scatter sends each rank's slice to that rank: a rank sends the others'
+            # slices' messages, a parameter cut by a slice boundary as two (a scale each, 8-byte aligned); the
+            # planner's per-parameter formula is the ranks' average. Everything else is exact.
+            rel = 2e-3 if name.startswith("zero2_") and name != "zero2_fp16" else 1e-9
+            assert measured["comm"] == pytest.approx(predicted.comm_bytes_per_step, rel=rel)
