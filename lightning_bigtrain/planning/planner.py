@@ -15,8 +15,9 @@ inter-node link. The method card, with the planner against measured runs, is ``d
 Compressed rows (``ddp_<compressor>``, ``zero1_<compressor>``, ``zero2_<compressor>`` and ``zero3_fp16``) use each
 compressor's own byte formula per parameter (``Compressor.sent_bytes``, at stage 2
 ``Compressor.reduce_scatter_bytes``; dense fp32/grad-dtype all-reduce or reduce-scatter for what it leaves dense),
-add the error-feedback buffer to the gradients' memory, and leave out the time spent compressing. They are lossy, so the recommendation is taken among the dense rows and a note names the fastest
-compressed row that fits when it is faster.
+add the error-feedback buffer to the gradients' memory, and leave out the time spent compressing. They are lossy,
+so the recommendation is taken among the dense rows and a note names the fastest compressed row that fits when it
+is faster.
 """
 
 from __future__ import annotations
