@@ -59,17 +59,24 @@ class ZeroCommon(StrategyMixinBase):
 
     def _broadcast_buffers(self) -> None:
         """Copy rank 0's floating-point buffers (BatchNorm statistics) to every rank, in one broadcast."""
+        for live, value in self._rank0_buffers().values():
+            live.copy_(value)
+
+    def _rank0_buffers(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Rank 0's floating-point buffers, in one broadcast (a collective): ``name -> (this rank's buffer, rank 0's
+        value)``. The module is left as it is."""
         model = self.model
         assert model is not None
-        buffers = [b for b in model.buffers() if b.is_floating_point()]
+        buffers = [(name, b) for name, b in model.named_buffers() if b.is_floating_point()]
         if not buffers:
-            return
-        flat = torch.cat([b.detach().reshape(-1) for b in buffers])
+            return {}
+        flat = torch.cat([b.detach().reshape(-1) for _, b in buffers])
         torch.distributed.broadcast(flat, src=0)
-        offset = 0
-        for b in buffers:
-            b.copy_(flat[offset : offset + b.numel()].view_as(b))
+        out, offset = {}, 0
+        for name, b in buffers:
+            out[name] = (b, flat[offset : offset + b.numel()].view_as(b))
             offset += b.numel()
+        return out
 
     def _rng_state(self) -> dict[str, Any]:
         """Every rank's run seed (ranks may have been seeded differently)."""

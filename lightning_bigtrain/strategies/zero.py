@@ -947,10 +947,15 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        # DCP saves one copy of replicated (non-sharded) tensors from an arbitrary rank: make it rank 0's.
-        if self.options.broadcast_buffers and self.world_size > 1 and self._pipeline is None:
-            self._broadcast_buffers()
-        return self._saved_layout(super().lightning_module_state_dict())
+        # DCP saves one copy of replicated (non-sharded) tensors from an arbitrary rank: make it rank 0's. Into the
+        # saved state only: a save must not change the run (after a run's last step, each rank's own statistics).
+        rank0 = (self._rank0_buffers() if self.options.broadcast_buffers and self.world_size > 1
+                 and self._pipeline is None else {})  # fmt: skip
+        state = super().lightning_module_state_dict()
+        for name, (_, value) in rank0.items():
+            if name in state:
+                state[name] = value.to(state[name].device)
+        return self._saved_layout(state)
 
     @property
     def compression_engine(self) -> GradientCompression | None:
