@@ -101,3 +101,12 @@ def test_a_save_after_the_last_step_does_not_change_the_replicas_buffers(tmp_pat
     result = run_chaos("zero2_cnn", tmp_path, faults=[("batch_start", 8, 0)])
     assert result.resumed_from[-1] == 8 and not result.notes, (result.resumed_from, result.notes)
     assert result.identical, f"max |difference| {result.max_abs_diff}"
+
+
+def test_a_run_resumed_after_the_last_pruning_event_saves_the_pruned_shapes(tmp_path):
+    """StructuredPruning removes channels at steps 1, 3 and 4. A job resumed at step 6 prunes nothing more; the
+    checkpoint it writes at step 8 must still say which shapes the model has, or the next relaunch cannot load it
+    ("size mismatch ... torch.Size([8]) from checkpoint, ... torch.Size([16])": found by the chaos matrix)."""
+    result = run_chaos("structured_ddp_cnn", tmp_path, faults=[("batch_start", 7, 0), ("step", 8, 0)])
+    assert result.resumed_from[1:] == [6, 8] and not result.notes, (result.resumed_from, result.notes)
+    assert result.identical, f"max |difference| {result.max_abs_diff}"

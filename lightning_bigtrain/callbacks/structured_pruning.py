@@ -302,7 +302,9 @@ class StructuredPruning(L.Callback):
 
     @override
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
-        if self.groups:
+        if self.groups or self._last_event >= 0:
+            # Whenever channels were removed, in this job or before its resume (a job resumed after the last
+            # pruning event traces nothing, so `groups` stays empty): the next relaunch rebuilds these shapes.
             checkpoint[_STRUCTURE_KEY] = {name: tuple(t.shape) for name, t in checkpoint["state_dict"].items()}
         if self.swapped:
             checkpoint[_ATTENTION_KEY] = list(self.swapped)
