@@ -30,6 +30,7 @@ from lightning_bigtrain.strategies._fault import (
     Preempted,
     Preemption,
     _check_signals,
+    destroy_process_group_at_exit,
     repair_epoch_progress,
 )
 from lightning_bigtrain.warnings import NoEffectWarning, warn_once
@@ -162,6 +163,8 @@ class FaultTolerance(L.Callback):
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._active:
+            destroy_process_group_at_exit()
         if self._active and self.resumable_data:
             load_pending_states(trainer)
         if self._active and self._preemption is not None:

@@ -4,6 +4,7 @@ checkpoints. :class:`~lightning_bigtrain.callbacks.FaultTolerance` gives Lightni
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import signal
@@ -35,6 +36,27 @@ class Preempted(SystemExit):
 
     def __str__(self) -> str:
         return f"preempted: checkpoint committed at {self.path}; relaunch with ckpt_path='last' to continue"
+
+
+_EXIT_HOOK = [False]
+
+
+def destroy_process_group_at_exit() -> None:
+    """Destroy the default process group when the interpreter exits (an ``atexit`` hook, while Python is still whole),
+    where the run has not. A process that exits with its gloo group alive can abort in interpreter finalization
+    (gloo's worker threads still hold finished work whose tensors reference Python objects; pytorch#190489): a job
+    whose training finished then dies with SIGABRT ("terminate called without an active exception"), its scheduler
+    sees a failure and relaunches it. Registered once per process."""
+    if _EXIT_HOOK[0]:
+        return
+    _EXIT_HOOK[0] = True
+
+    def destroy() -> None:
+        if dist.is_available() and dist.is_initialized():
+            with contextlib.suppress(Exception):  # exiting: nothing to report it to
+                dist.destroy_process_group()
+
+    atexit.register(destroy)
 
 
 def _check_signals(signals: Sequence[str], owner: str) -> tuple[str, ...]:
@@ -178,6 +200,7 @@ class FaultTolerantStrategyMixin(StrategyMixinBase):
         assert self.lightning_module is not None
         trainer: Any = self.lightning_module.trainer
         load_pending_states(trainer)
+        destroy_process_group_at_exit()
         if self._preemption is not None:
             self._preemption.install()
             if not any(isinstance(cb, _PreemptionHook) for cb in trainer.callbacks):
