@@ -187,3 +187,34 @@ def test_resume_after_an_epoch_boundary_checkpoint_does_not_replay_the_next_epoc
     shutil.rmtree(tmp_path / "ckpt")
     pieces = run(6, None) + run(8, "last") + run(-1, "last")  # 6: the last batch of epoch 1
     assert len(uninterrupted) == 9 and pieces == uninterrupted
+
+
+_EXIT_SCRIPT = """
+import atexit, sys
+import lightning as L
+import torch.distributed as dist
+from lightning_bigtrain.data import FashionMNISTDataModule
+from lightning_bigtrain.models import FashionCNN
+from lightning_bigtrain.strategies import ZeroStrategy
+
+# Registered first, so it runs after the hooks registered during the fit (atexit runs them last-in, first-out).
+atexit.register(lambda: print("group alive at exit:", dist.is_initialized(), flush=True))
+trainer = L.Trainer(accelerator="cpu", devices=1, strategy=ZeroStrategy(stage=2), max_steps=1, logger=False,
+                    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                    limit_val_batches=0)
+trainer.fit(FashionCNN(channels=(4, 8, 8)), datamodule=FashionMNISTDataModule(batch_size=8, subset=32))
+print("group alive after fit:", dist.is_initialized(), flush=True)
+"""
+
+
+def test_the_process_group_is_destroyed_at_exit_when_the_run_left_it():
+    """A process that exits with its gloo group alive can abort in finalization ("terminate called without an active
+    exception", pytorch#190489): a finished job then reports SIGABRT. The strategy destroys the group at exit."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONWARNINGS": "ignore"})  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "group alive after fit: True" in done.stdout  # Lightning leaves it (a second fit may reuse it)
+    assert "group alive at exit: False" in done.stdout, done.stdout
