@@ -145,6 +145,8 @@ class TuneTrial(Callback):
         self.warmup_steps = warmup_steps
         self._trial: Any = None
         self.pruned_at: int | None = None
+        self._restored: dict[str, Any] | None = None
+        self._trainer: L.Trainer | None = None
         self._reset()
 
     def _reset(self) -> None:
@@ -156,9 +158,11 @@ class TuneTrial(Callback):
         self._val_seconds = 0.0
         self._val_started: float | None = None
         self._validated: dict[str, tuple[float, int]] = {}
+        self._bytes0: float | None = None  # the strategy's byte count when this launch started training
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._trainer = trainer
         if stage != "fit" or not self.pruning or not trainer.is_global_zero:
             return
         import optuna
@@ -179,6 +183,19 @@ class TuneTrial(Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._reset()
         self._last_report = self._start_step = trainer.global_step  # a resumed run reports from where it is
+        if self._restored is not None:  # the report window and validated metrics carried over a resume
+            state, self._restored = self._restored, None
+            sums, counts = list(state.get("loss_sum", [])), list(state.get("loss_count", []))
+            rank = trainer.global_rank
+            if len(sums) == trainer.world_size:  # each rank its own window
+                loss, count = sums[rank], counts[rank]
+            else:  # another world size: every rank the ranks' mean window
+                loss, count = sum(sums) / max(len(sums), 1), round(sum(counts) / max(len(counts), 1))
+            if count:
+                self._loss_sum, self._loss_count = torch.tensor(float(loss), device=pl_module.device), int(count)
+            self._validated = {k: (float(v), int(s)) for k, (v, s) in state.get("validated", {}).items()}
+        counted = getattr(trainer.strategy, "comm_bytes", None)
+        self._bytes0 = None if counted is None else float(counted)
         if pl_module.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(pl_module.device)
 
@@ -263,11 +280,32 @@ class TuneTrial(Callback):
             if value is not None:
                 self._validated[name] = (float(value), trainer.global_step)
 
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        """The open report window (every rank's training losses summed since the last report: gathered, a collective
+        as the checkpoint itself is) and the metrics validated so far, so that a resumed trial reports what the
+        uninterrupted one would."""
+        trainer = self._trainer
+        local = torch.tensor([0.0 if self._loss_sum is None else float(self._loss_sum), float(self._loss_count)],
+                             dtype=torch.float64)  # fmt: skip
+        if trainer is not None and trainer.world_size > 1:
+            gathered = trainer.strategy.all_gather(local.to(trainer.strategy.root_device)).reshape(-1, 2).cpu()
+        else:
+            gathered = local.reshape(1, 2)
+        return {"loss_sum": gathered[:, 0].tolist(), "loss_count": [int(c) for c in gathered[:, 1].tolist()],
+                "validated": dict(self._validated)}  # fmt: skip
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._restored = dict(state_dict)  # applied at train start (after the per-launch reset)
+
     def _bytes_per_step(self, trainer: L.Trainer, steps: int) -> float | None:
         strategy = trainer.strategy
         counted = getattr(strategy, "comm_bytes", None)
         if counted is not None:
-            return float(counted) / max(steps, 1)
+            # Over this launch's steps: a resumed strategy counts from its setup (some counters are restored).
+            start = self._bytes0 if self._bytes0 is not None else 0.0
+            return (float(counted) - start) / max(steps - self._start_step, 1)
         world = trainer.world_size
         if world == 1:
             return 0.0
