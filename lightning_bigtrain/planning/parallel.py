@@ -62,9 +62,15 @@ def _split_dims(model: nn.Module, plan: TensorParallelPlan) -> dict[int, int]:
 
 
 @torch.no_grad()
-def _messages(model: nn.Module, plan: TensorParallelPlan, example: torch.Tensor) -> list[tuple[str, int]]:
-    """``("all_reduce" | "all_gather", elements)`` for each tensor-parallel collective of one forward and backward,
-    measured on fake tensors."""
+def _messages(
+    model: nn.Module, plan: TensorParallelPlan, example: torch.Tensor, sequence: TensorParallelPlan | None = None
+) -> list[tuple[str, int]]:
+    """``("all_reduce" | "all_gather" | "reduce_scatter", elements)`` for each tensor-parallel collective of one
+    forward and backward, measured on fake tensors (elements: of the whole tensor). With ``sequence`` (the plan with
+    sequence parallelism turned on), the split blocks' collectives as sequence parallelism issues them: a column split
+    gathers its input in forward and reduce-scatters its gradient in backward, a row split reduce-scatters its output
+    and gathers its gradient; each container of blocks gathers the activation where it leaves and its gradient where
+    it enters; the blocks' norms all-reduce their parameters' gradients (partial over the split sequence)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     found: list[tuple[str, int]] = []
@@ -74,11 +80,19 @@ def _messages(model: nn.Module, plan: TensorParallelPlan, example: torch.Tensor)
         x = x if isinstance(x, torch.Tensor) else x[0]
         return int(x.numel())
 
+    blocks = tuple(f"{b}." for b in sequence.blocks) if sequence is not None else ()
     for name, split in plan.splits.items():
         module = model.get_submodule(name)
+        in_block = bool(blocks) and name.startswith(blocks)
 
-        def hook(m: nn.Module, args: tuple[Any, ...], out: Any, split: Split = split) -> None:
-            if split.style == "row":
+        def hook(
+            m: nn.Module, args: tuple[Any, ...], out: Any, split: Split = split, in_block: bool = in_block
+        ) -> None:
+            if in_block and split.style == "row":
+                found.extend([("reduce_scatter", numel(out)), ("all_gather", numel(out))])
+            elif in_block and split.style == "column":
+                found.extend([("all_gather", numel(args)), ("reduce_scatter", numel(args))])
+            elif split.style == "row":
                 found.append(("all_reduce", numel(out)))  # forward: partial sums
             elif split.style == "column":
                 found.append(("all_reduce", numel(args)))  # backward: the input's gradient
@@ -88,6 +102,17 @@ def _messages(model: nn.Module, plan: TensorParallelPlan, example: torch.Tensor)
                 found.extend([("all_gather", numel(out)), ("all_reduce", numel(args))])
 
         hooks.append(module.register_forward_hook(hook))
+    if sequence is not None:
+        containers: dict[str, list[str]] = {}
+        for name in sequence.blocks:
+            containers.setdefault(name.rpartition(".")[0], []).append(name)
+        for run in containers.values():
+            hooks.append(model.get_submodule(run[0]).register_forward_hook(
+                lambda m, args, out: found.append(("all_gather", numel(args)))))  # its gradient, entering  # fmt: skip
+            hooks.append(model.get_submodule(run[-1]).register_forward_hook(
+                lambda m, args, out: found.append(("all_gather", numel(out)))))  # the activation, leaving  # fmt: skip
+        for norm in sequence.norms:
+            found.extend(("all_reduce", p.numel()) for p in model.get_submodule(norm).parameters() if p.requires_grad)
     try:
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:
             params = {n: mode.from_tensor(p) for n, p in model.named_parameters()}
@@ -135,6 +160,16 @@ class TensorParallelEstimate:
                 self.tensors += 1
         self.messages = _messages(subject, self.plan, example) if example is not None else []
         self.subject = subject
+        # Sequence parallelism, as the strategy would decide it from the structure (its numerical check on a copy of
+        # each block class runs only in a real run): why not, or the messages it would send.
+        from lightning_bigtrain.functional.tensor_parallel import _plan_sequence
+
+        sequence = copy.copy(self.plan)
+        _plan_sequence(subject, sequence, None, verify=False)
+        self.sequence_refused: str | None = sequence.sequence_refused if sequence.sequence_dim is None else None
+        self.sequence_messages: list[tuple[str, int]] = []
+        if self.sequence_refused is None and example is not None:
+            self.sequence_messages = _messages(subject, self.plan, example, sequence)
 
     def activations(
         self, example: torch.Tensor, precision: str = "32-true", sequence_parallel: bool = False
@@ -151,18 +186,22 @@ class TensorParallelEstimate:
         return measure_activations(self.subject, example, precision=precision, split=(columns, rows, self.degree),
                                    sequence_blocks=blocks if sequence_parallel else ())  # fmt: skip
 
-    def tensor_parallel_bytes(self, element_bytes: int) -> float:
+    def tensor_parallel_bytes(self, element_bytes: int, sequence_parallel: bool = False) -> float:
         """Bytes one rank sends per step in the tensor-parallel collectives (ring equivalent)."""
         t = self.degree
-        factor = {"all_reduce": 2 * (t - 1) / t, "all_gather": (t - 1) / t}
-        return sum(factor[kind] * n * element_bytes for kind, n in self.messages)
+        factor = {"all_reduce": 2 * (t - 1) / t, "all_gather": (t - 1) / t, "reduce_scatter": (t - 1) / t}
+        messages = self.sequence_messages if sequence_parallel else self.messages
+        return sum(factor[kind] * n * element_bytes for kind, n in messages)
 
-    def tensor_parallel_seconds(self, element_bytes: int, bandwidth: float, latency: float) -> float:
+    def tensor_parallel_seconds(
+        self, element_bytes: int, bandwidth: float, latency: float, sequence_parallel: bool = False
+    ) -> float:
         t = self.degree
-        steps = {"all_reduce": 2 * (t - 1), "all_gather": t - 1}
+        steps = {"all_reduce": 2 * (t - 1), "all_gather": t - 1, "reduce_scatter": t - 1}
+        messages = self.sequence_messages if sequence_parallel else self.messages
         return (
-            sum(steps[kind] * latency for kind, _ in self.messages)
-            + self.tensor_parallel_bytes(element_bytes) / bandwidth
+            sum(steps[kind] * latency for kind, _ in messages)
+            + self.tensor_parallel_bytes(element_bytes, sequence_parallel) / bandwidth
         )
 
 

@@ -77,13 +77,15 @@ STRATEGY_NAMES = {
 
 
 def strategy_config(row: str) -> str | dict[str, Any]:
-    """How ``bigtrain fit`` names a plan row's strategy: a registered name, or for ``zero3_tp{T}`` the class with its
-    arguments (only some degrees are registered)."""
-    match = re.fullmatch(r"zero3_(tp|pp)(\d+)", row)
+    """How ``bigtrain fit`` names a plan row's strategy: a registered name, or for ``zero3_tp{T}[_sp]`` /
+    ``zero3_pp{P}`` the class with its arguments (only some degrees are registered)."""
+    match = re.fullmatch(r"zero3_(tp|pp)(\d+)(_sp)?", row)
     if match:
         key = "tensor_parallel" if match.group(1) == "tp" else "pipeline_parallel"
-        return {"class_path": "lightning_bigtrain.strategies.ZeroStrategy",
-                "init_args": {"stage": 3, key: int(match.group(2))}}  # fmt: skip
+        args: dict[str, Any] = {"stage": 3, key: int(match.group(2))}
+        if match.group(3):
+            args["sequence_parallel"] = True
+        return {"class_path": "lightning_bigtrain.strategies.ZeroStrategy", "init_args": args}
     return STRATEGY_NAMES[row]
 
 
@@ -935,11 +937,28 @@ def _plan(model_or_num_params: nn.Module | int, cluster: Cluster, workload: Work
                     row_activations, row_extra = plain_tp, working_tp - plain_tp
                 except Exception as err:  # keep the unsplit model's (an upper bound)
                     notes.append(f"{name}: activations of the unsplit model ({type(err).__name__}: {err})")
-            transient = (2 * local_unit * p_bytes + local_unit * g_bytes if dp > 1 else 0.0) + row_extra
+            gathered_units = 2 * local_unit * p_bytes + local_unit * g_bytes if dp > 1 else 0.0
+            transient = gathered_units + row_extra
             row = PlanRow(name, p_dev, g_dev, s_dev, row_activations, transient, 0.0, sent, seconds, 0.0, fits=False)
             rows[name] = PlanRow(**{**row.__dict__, "fits": row.peak_bytes <= memory})
             if not est.messages:
                 notes.append(f"{name}: tensor-parallel bytes need batch_shape (left out)")
+            # Sequence parallelism (``sequence_parallel=True``): the same states, activations split between the
+            # blocks' split regions too, its collectives instead of the blocks' all-reduces.
+            if est.sequence_refused is not None:
+                notes.append(f"{name}_sp: no sequence-parallel row ({est.sequence_refused})")
+            elif example_tp is not None and not activation_checkpointing:
+                try:
+                    plain_sp, _, working_sp = est.activations(example_tp, precision, sequence_parallel=True)
+                except Exception as err:
+                    notes.append(f"{name}_sp: not estimated ({type(err).__name__}: {err})")
+                else:
+                    sent_sp = sent - est.tensor_parallel_bytes(element) + est.tensor_parallel_bytes(element, True)
+                    seconds_sp = (seconds - est.tensor_parallel_seconds(element, intra, latency)
+                                  + est.tensor_parallel_seconds(element, intra, latency, True))  # fmt: skip
+                    row = PlanRow(f"{name}_sp", p_dev, g_dev, s_dev, plain_sp, gathered_units + working_sp - plain_sp,
+                                  0.0, sent_sp, seconds_sp, 0.0, fits=False)  # fmt: skip
+                    rows[row.strategy] = PlanRow(**{**row.__dict__, "fits": row.peak_bytes <= memory})
     if isinstance(model_or_num_params, nn.Module) and n > 1:
         for degree in [d for d in range(2, n + 1) if n % d == 0]:
             row_pp = _pipeline_row(model_or_num_params, degree, n, batch_shape, input_dtype, precision, p_bytes,

@@ -707,7 +707,7 @@ def _plan_row(strategy: Any, rows: Mapping[str, Any]) -> str:
         if (degree > 1 or stages > 1) and stage != 3:
             raise _Unplannable(f"the planner's tensor- and pipeline-parallel rows are ZeRO-3's (stage={stage} given)")
         if degree > 1:
-            row = f"zero3_tp{degree}"
+            row = f"zero3_tp{degree}" + ("_sp" if args.get("sequence_parallel") else "")
         if stages > 1:
             row = f"zero3_pp{stages}"
         if row in rows:

@@ -29,6 +29,42 @@ def test_tensor_parallel_rows_hold_the_split_states_and_the_measured_messages():
     assert tp2.comm_bytes_per_step > est.tensor_parallel_bytes(4)  # plus ZeRO-3 across the two groups
 
 
+def test_sequence_parallel_rows_send_its_collectives_and_split_more_activations():
+    model = CharGPT(n_layer=2, n_head=4, n_embd=64, block_size=32)
+    rows = plan(model, devices=2, batch_shape=(4, 32), accelerator="cpu", compression=False)
+    tp2, sp = rows["zero3_tp2"], rows["zero3_tp2_sp"]
+    assert sp.model_states_bytes == tp2.model_states_bytes
+    assert sp.activation_bytes < tp2.activation_bytes  # norms, dropout and residuals split too
+    est = estimate_tensor_parallel(model, 2, 2, torch.zeros(4, 32, dtype=torch.long))
+    n = 4 * 32 * 64
+    # Per block: each column split gathers its input and reduce-scatters its gradient, each row split reduce-scatters
+    # its output and gathers its gradient (2 + 2 each, 4 splits); the blocks' activation gathered leaving them and its
+    # gradient entering; the norms' weight and bias gradients all-reduced (2 norms x 2 blocks); the embedding and
+    # head as without.
+    assert sorted(est.sequence_messages) == sorted(
+        [("all_gather", n)] * 10 + [("reduce_scatter", n)] * 8 + [("all_reduce", 64)] * 8
+        + [("all_reduce", n)] * 2 + [("all_gather", 4 * 32 * 96)])  # fmt: skip
+    # The same ring bytes per pair as the all-reduces, plus the container's two gathers and the norms' sums.
+    extra = est.tensor_parallel_bytes(4, True) - est.tensor_parallel_bytes(4)
+    assert extra == (2 * n + 8 * 64 * 2) / 2 * 4
+    assert sp.comm_bytes_per_step - tp2.comm_bytes_per_step == extra
+    from lightning_bigtrain.planning.planner import strategy_config
+
+    assert strategy_config("zero3_tp2_sp")["init_args"] == {"stage": 3, "tensor_parallel": 2, "sequence_parallel": True}
+
+
+def test_a_model_sequence_parallelism_refuses_gets_a_note_instead_of_a_row():
+    from lightning.pytorch.demos import Transformer
+
+    # Lightning's demo Transformer: its decoder layers take the encoder's memory as a second input (refused by the
+    # strategy, so the planner has no row for it either). Its forward needs a target: no fake pass, no example.
+    demo = Transformer(vocab_size=33, ninp=32, nhead=2, nhid=64, nlayers=2)
+    assert "second input" in str(estimate_tensor_parallel(demo, 2, 2, None).sequence_refused)
+    rows = plan(CharGPT(n_layer=2, n_head=4, n_embd=64, block_size=32), devices=2, batch_shape=(4, 32),
+                accelerator="cpu", compression=False)  # fmt: skip
+    assert not any(n.startswith("zero3_tp2_sp:") for n in rows.notes)  # it applies to CharGPT: a row, no note
+
+
 def test_a_model_without_blocks_gets_no_tensor_parallel_row_and_a_note():
     rows = plan(FashionCNN(), devices=2, accelerator="cpu", compression=False)
     assert "zero3_tp2" not in rows.rows

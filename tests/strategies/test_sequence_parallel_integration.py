@@ -51,25 +51,47 @@ class SavedBytes(L.Callback):
             self._hooks = None
 
 
+class SentBytes(L.Callback):
+    """Ring-equivalent bytes this rank sends in the tensor-parallel collectives of the second training step."""
+
+    def __init__(self) -> None:
+        self.bytes = 0.0
+        self._context: Any = None
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step == 1 and trainer.world_size > 1:
+            from benchmarks.parallel import count_tensor_parallel_bytes
+
+            self._context = count_tensor_parallel_bytes(2)
+            self._counted = self._context.__enter__()
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if self._context is not None:
+            self._context.__exit__(None, None, None)
+            self.bytes, self._context = self._counted["bytes"], None
+
+
 def _char_gpt(rank: int, devices: int, sequence: bool, steps: int, batch: int = 8) -> dict[str, Any]:
     L.seed_everything(0, verbose=False)
-    losses, saved = Losses(), SavedBytes()
+    losses, saved, sent = Losses(), SavedBytes(), SentBytes()
     strategy = ZeroStrategy(tensor_parallel=2, sequence_parallel=sequence) if devices > 1 else "auto"
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, limit_val_batches=0,
-                        gradient_clip_val=0.5, enable_checkpointing=False, callbacks=[losses, saved],
+                        gradient_clip_val=0.5, enable_checkpointing=False, callbacks=[losses, saved, sent],
                         **_QUIET)  # fmt: skip
     data = (OneReplica if devices == 1 else ShakespeareDataModule)(block_size=32, batch_size=batch, subset=2048)
     trainer.fit(_model(), datamodule=data)
     plan = getattr(trainer.strategy, "tensor_parallel_plan", None)
-    planned = None
+    planned = planned_sent = None
     if devices == 2:
         from lightning_bigtrain.planning.parallel import estimate_tensor_parallel
 
-        example = torch.zeros(8, 32, dtype=torch.long)
-        planned = estimate_tensor_parallel(_model(), 2, 2, example).activations(example, sequence_parallel=sequence)[0]
+        example = torch.zeros(batch, 32, dtype=torch.long)
+        est = estimate_tensor_parallel(_model(), 2, 2, example)
+        planned = est.activations(example, sequence_parallel=sequence)[0]
+        planned_sent = est.tensor_parallel_bytes(4, sequence_parallel=sequence)
     return {"losses": losses.values, "saved": saved.bytes, "dim": plan.sequence_dim if plan else None,
             "norms": len(plan.norms) if plan else 0, "refused": plan.sequence_refused if plan else None,
-            "planned": planned}  # fmt: skip
+            "planned": planned, "sent": sent.bytes, "planned_sent": planned_sent}  # fmt: skip
 
 
 def test_sequence_parallel_equals_one_process_and_saves_less_for_backward():
@@ -86,6 +108,10 @@ def test_sequence_parallel_equals_one_process_and_saves_less_for_backward():
               f"tp=2 + sequence parallel {r['saved']} (planner {r['planned']:.0f})")  # fmt: skip
         assert r["saved"] < p["saved"], (r["saved"], p["saved"])
         assert r["planned"] < p["planned"], (r["planned"], p["planned"])
+        # Bytes sent in the tensor-parallel collectives of one step: the planner's count, exactly, for both.
+        print(f"tensor-parallel bytes sent per rank, step 2: tp=2 {p['sent']:.0f} (planner {p['planned_sent']:.0f}), "
+              f"tp=2 + sequence parallel {r['sent']:.0f} (planner {r['planned_sent']:.0f})")  # fmt: skip
+        assert p["sent"] == p["planned_sent"] and r["sent"] == r["planned_sent"]
 
 
 def test_sequence_parallel_with_zero3_across_two_pairs():
