@@ -65,6 +65,10 @@ METHODS: dict[str, str] = {
     "onebit_adam_powersgd": "ours OneBitAdam(compressor=PowerSGD(4)): the momentum as rank-4 factors",
     "onebit_adam_q8r": "ours OneBitAdam(compressor=Quantize(8)): near-lossless momentum, the variance's own cost",
     "onebit_adam_squares10": "ours OneBitAdam(refresh_from='squares', variance_refresh=10): the ranks' own variances",
+    "zero2": "ZeroStrategy(stage=2), dense fp32 reduce-scatter",
+    "zero2_powersgd": "ours ZeroStrategy(stage=2, compression=PowerSGD(rank=4)): compressed reduce-scatter",
+    "zero2_onebit": "ours ZeroStrategy(stage=2, compression=OneBit()): compressed reduce-scatter",
+    "zero2_topk": "ours ZeroStrategy(stage=2, compression=TopK(0.01)): compressed reduce-scatter",
 }
 
 
@@ -89,6 +93,11 @@ def _strategy(method: str) -> Any:
 
     if method == "fp32":
         return DDPStrategy(start_method="popen")
+    if method.startswith("zero2"):  # ZeRO-2, dense or with a compressed reduce-scatter
+        from lightning_bigtrain.strategies import ZeroStrategy
+
+        base = method.removeprefix("zero2").removeprefix("_")
+        return ZeroStrategy(stage=2, compression=_compressor(base) if base else None)
     if method.startswith("torch_"):
         return _TorchHookDDP(method)
     if method.startswith("onebit_adam"):
@@ -224,7 +233,7 @@ def worker(mode: str, method: str, model: str, steps: int, warmup: int, seed: in
             metrics = trainer.test(module, datamodule=data, verbose=False)
             result["test_acc"] = metrics[0]["test_acc"]
     result["params"] = sum(p.numel() for p in module.parameters())
-    if method != "fp32" and not method.startswith(("torch_", "onebit_adam")):
+    if method != "fp32" and not method.startswith(("torch_", "onebit_adam", "zero2")):
         result["analytic_ratio"] = _analytic_ratio(module, _compressor(method))
     if trainer.is_global_zero:
         Path(out).write_text(json.dumps(result))
