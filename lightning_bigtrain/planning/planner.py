@@ -77,13 +77,13 @@ STRATEGY_NAMES = {
 
 
 def strategy_config(row: str) -> str | dict[str, Any]:
-    """How ``bigtrain fit`` names a plan row's strategy: a registered name, or for ``zero3_tp{T}[_sp]`` /
+    """How ``bigtrain fit`` names a plan row's strategy: a registered name, or for ``zero{S}_tp{T}[_sp]`` /
     ``zero3_pp{P}`` the class with its arguments (only some degrees are registered)."""
-    match = re.fullmatch(r"zero3_(tp|pp)(\d+)(_sp)?", row)
+    match = re.fullmatch(r"zero([123])_(tp|pp)(\d+)(_sp)?", row)
     if match:
-        key = "tensor_parallel" if match.group(1) == "tp" else "pipeline_parallel"
-        args: dict[str, Any] = {"stage": 3, key: int(match.group(2))}
-        if match.group(3):
+        key = "tensor_parallel" if match.group(2) == "tp" else "pipeline_parallel"
+        args: dict[str, Any] = {"stage": int(match.group(1)), key: int(match.group(3))}
+        if match.group(4):
             args["sequence_parallel"] = True
         return {"class_path": "lightning_bigtrain.strategies.ZeroStrategy", "init_args": args}
     return STRATEGY_NAMES[row]
@@ -941,6 +941,21 @@ def _plan(model_or_num_params: nn.Module | int, cluster: Cluster, workload: Work
             transient = gathered_units + row_extra
             row = PlanRow(name, p_dev, g_dev, s_dev, row_activations, transient, 0.0, sent, seconds, 0.0, fits=False)
             rows[name] = PlanRow(**{**row.__dict__, "fits": row.peak_bytes <= memory})
+            # ZeRO-1/2 on the data axis (FSDP2, parameters kept gathered from the first forward to the optimizer step):
+            # the same states at rest; per optimizer step one gather and one reduce-scatter (no accumulation); the
+            # whole split model gathered through the step, and at stage 1 its whole gradients until the step's
+            # reduce-scatter (stage 2: one unit's, as stage 3).
+            sent_12 = dp_ring * (dp_total * p_bytes + dp * est.shard_numel_trainable * g_bytes)
+            seconds_12 = 2 * units * (dp - 1) * latency + (sent_12 / beta if dp > 1 else 0.0)
+            seconds_12 += est.tensor_parallel_seconds(element, intra, latency)
+            sent_12 += est.tensor_parallel_bytes(element)
+            for stage in (1, 2):
+                held = 0.0
+                if dp > 1:
+                    held = dp_total * p_bytes + (dp * est.shard_numel_trainable if stage == 1 else local_unit) * g_bytes
+                row = PlanRow(f"zero{stage}_tp{degree}", p_dev, g_dev, s_dev, row_activations, held + row_extra, 0.0,
+                              sent_12, seconds_12, 0.0, fits=False)  # fmt: skip
+                rows[row.strategy] = PlanRow(**{**row.__dict__, "fits": row.peak_bytes <= memory})
             if not est.messages:
                 notes.append(f"{name}: tensor-parallel bytes need batch_shape (left out)")
             # Sequence parallelism (``sequence_parallel=True``): the same states, activations split between the

@@ -122,6 +122,18 @@ def test_zero_stages_1_and_2_across_tensor_parallel_pairs_equal_one_process_and_
         print(f"dp=2 x tp=2, bytes sent per rank over 8 optimizer steps: stage 1 {one}, 2 {two}, 3 {three}")
         assert one / two == pytest.approx(2 / 3, rel=1e-3), (one, two)
         assert three / two == pytest.approx(2, rel=1e-3), (three, two)
+    # The planner's rows (no accumulation: one gather and one reduce-scatter per optimizer step at stages 1-2, what
+    # stage 1 sends per step whatever the accumulation) on the data axis, without the tensor-parallel collectives.
+    from lightning_bigtrain.planning import plan
+    from lightning_bigtrain.planning.parallel import estimate_tensor_parallel
+
+    example = torch.zeros(8, 32, dtype=torch.long)
+    rows = plan(_model(), devices=4, batch_shape=tuple(example.shape), accelerator="cpu", compression=False)
+    tp = estimate_tensor_parallel(_model(), 2, 4, example).tensor_parallel_bytes(4)
+    for stage in (1, 2):
+        assert rows[f"zero{stage}_tp2"].comm_bytes_per_step - tp == pytest.approx(results[0][1][1] / 8, rel=1e-9)
+    assert rows["zero1_tp2"].model_states_bytes == rows["zero3_tp2"].model_states_bytes
+    assert rows["zero1_tp2"].peak_bytes > rows["zero2_tp2"].peak_bytes > rows["zero3_tp2"].peak_bytes
 
 
 def _resume(rank: int, folder: str, tp: int = 2, pp: int = 1) -> dict[str, list[float]]:

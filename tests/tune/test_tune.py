@@ -288,8 +288,15 @@ def test_each_strategy_spelling_maps_to_its_planner_row():
         _plan_row(both, rows)
     zero1_tp2 = {"class_path": "lightning_bigtrain.strategies.ZeroStrategy",
                  "init_args": {"stage": 1, "tensor_parallel": 2}}  # fmt: skip
-    with pytest.raises(_Unplannable, match=r"rows are ZeRO-3's \(stage=1 given\)"):
-        _plan_row(zero1_tp2, rows)
+    rows.update(dict.fromkeys(["zero1_tp2", "zero3_tp2_sp"]))
+    assert _plan_row(zero1_tp2, rows) == "zero1_tp2"
+    sp = {"class_path": "lightning_bigtrain.strategies.ZeroStrategy",
+          "init_args": {"tensor_parallel": 2, "sequence_parallel": True}}  # fmt: skip
+    assert _plan_row(sp, rows) == "zero3_tp2_sp"
+    zero1_pp2 = {"class_path": "lightning_bigtrain.strategies.ZeroStrategy",
+                 "init_args": {"stage": 1, "pipeline_parallel": 2}}  # fmt: skip
+    with pytest.raises(_Unplannable, match=r"pipeline-parallel rows are ZeRO-3's \(stage=1 given\)"):
+        _plan_row(zero1_pp2, rows)
     with pytest.raises(_Unplannable, match="no row for strategy 'fsdp'"):
         _plan_row("fsdp", rows)
 
