@@ -50,6 +50,17 @@ def test_under_this_packages_strategies_it_warns_that_it_is_not_needed():
     assert isinstance(trainer.strategy.checkpoint_io, AtomicCheckpointIO)  # on by default there
 
 
+class _StopAt(L.Callback):
+    """Ends the fit after ``step`` optimizer steps (after that step's checkpoint), the run's plan unchanged."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        if trainer.global_step == self.step:
+            trainer.should_stop = True
+
+
 class _SignalAt(L.Callback):
     def __init__(self, step: int) -> None:
         self.step = step
@@ -125,24 +136,30 @@ def test_lightning_fsdp_sharded_checkpoints_are_committed_and_resume(tmp_path):
     from lightning_bigtrain.data import ShakespeareDataModule
     from lightning_bigtrain.models import CharGPT
 
-    def fit(folder: Path, max_steps: int, ckpt_path: str | None) -> L.LightningModule:
+    def fit(folder: Path, stop: int | None, ckpt_path: str | None) -> L.LightningModule:
         L.seed_everything(0, verbose=False)
         model = CharGPT(block_size=32, n_layer=2, n_head=2, n_embd=32)
+        # Every run plans 6 steps: CharGPT's learning-rate schedule is laid out over `estimated_stepping_batches`, so
+        # an interrupted run that planned 3 (as this test did) trains its first steps at other learning rates and
+        # cannot end where the uninterrupted one does (the 0.0117 the H200 measured). It stops after step 3's
+        # checkpoint instead, as a killed job would.
+        stopper = [_StopAt(stop)] if stop is not None else []
         trainer = L.Trainer(
-            accelerator="cuda", devices=1, strategy=FSDPStrategy(state_dict_type="sharded"), max_steps=max_steps,
+            accelerator="cuda", devices=1, strategy=FSDPStrategy(state_dict_type="sharded"), max_steps=6,
             deterministic="warn", limit_val_batches=0, logger=False, enable_progress_bar=False,
             enable_model_summary=False,
-            callbacks=[FaultTolerance(), ModelCheckpoint(dirpath=folder, every_n_train_steps=3, save_last=True)],
+            callbacks=[FaultTolerance(), ModelCheckpoint(dirpath=folder, every_n_train_steps=3, save_last=True),
+                       *stopper],
         )  # fmt: skip
         trainer.fit(model, datamodule=ShakespeareDataModule(block_size=32, batch_size=8, subset=96),
                     ckpt_path=ckpt_path)  # fmt: skip
-        assert trainer.global_step == max_steps
+        assert trainer.global_step == (stop or 6)
         return model
 
-    reference = fit(tmp_path / "ref", 6, None)
+    reference = fit(tmp_path / "ref", None, None)
     fit(tmp_path / "run", 3, None)  # the interrupted run: its own folder (a shared one holds the reference's last)
     assert is_committed(tmp_path / "run" / "last.ckpt") and os.path.islink(tmp_path / "run" / "last.ckpt")
-    resumed = fit(tmp_path / "run", 6, "last")
+    resumed = fit(tmp_path / "run", None, "last")
     for a, b in zip(reference.state_dict().values(), resumed.state_dict().values(), strict=True):
         torch.testing.assert_close(a, b)
 
