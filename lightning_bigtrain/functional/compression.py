@@ -209,6 +209,17 @@ class _Gathered(Compressor):
     def sent_bytes(self, shape: torch.Size, element_size: int, world: int) -> float:
         return allgather_bytes(_align(self.payload_nbytes(math.prod(shape), element_size)), world)
 
+    def _message(self, engine: GradientCompression, s: _Segment) -> torch.Tensor:
+        """The payload of one segment's error-corrected gradient (its residual kept as the next error)."""
+        c = engine.corrected(s).reshape(-1)
+        finite = _finite(c)
+        generator = engine.generator(s, c.device) if self.stochastic() else None
+        payload, residual = self.encode(c, generator)
+        if self.error_feedback:
+            engine.update_error(s, residual)
+        # A non-finite gradient must reach every rank as such (the scaler then skips the step).
+        return _poison_if(payload, finite, self.leading_dtype(s.view.dtype))
+
     def reduce_scatter_bytes(self, shape: torch.Size, element_size: int, world: int) -> float:
         # Each rank's slice goes to that rank alone: (N-1)/N of one message, not N-1 messages.
         return allgather_bytes(_align(self.payload_nbytes(math.prod(shape), element_size)), world) / world
@@ -219,14 +230,7 @@ class _Gathered(Compressor):
             return
         payloads, sizes = [], []
         for s in compressed:
-            c = engine.corrected(s).reshape(-1)
-            finite = _finite(c)
-            generator = engine.generator(s, c.device) if self.stochastic() else None
-            payload, residual = self.encode(c, generator)
-            if self.error_feedback:
-                engine.update_error(s, residual)
-            # A non-finite gradient must reach every rank as such (the scaler then skips the step).
-            payload = _poison_if(payload, finite, self.leading_dtype(s.view.dtype))
+            payload = self._message(engine, s)
             size = _align(payload.numel())
             payloads.append(torch.nn.functional.pad(payload, (0, size - payload.numel())))
             sizes.append(size)
@@ -252,13 +256,7 @@ class _Gathered(Compressor):
             payloads = []
             for s, shape in parts:
                 if self.compressible(shape):
-                    c = engine.corrected(s).reshape(-1)
-                    finite = _finite(c)
-                    generator = engine.generator(s, c.device) if self.stochastic() else None
-                    payload, residual = self.encode(c, generator)
-                    if self.error_feedback:
-                        engine.update_error(s, residual)
-                    payload = _poison_if(payload, finite, self.leading_dtype(s.view.dtype))
+                    payload = self._message(engine, s)
                 else:
                     payload = s.view.contiguous().view(torch.uint8)
                 payloads.append(torch.nn.functional.pad(payload, (0, _align(payload.numel()) - payload.numel())))
