@@ -345,6 +345,12 @@ BLOCKS: dict[str, Block] = {
             ("onebit_adam.json", "onebit_adam_squares.json"),
         ),
         Block(
+            "zero2-compression",
+            _module("benchmarks.onebit_adam", "render_zero2_block"),
+            ("docs/compression.md",),
+            ("zero2_compression.json",),
+        ),
+        Block(
             "compression-quality",
             _module("benchmarks.compression", "render_quality_block"),
             ("docs/compression.md",),
