@@ -62,6 +62,14 @@ class ZeroCommon(StrategyMixinBase):
         for live, value in self._rank0_buffers().values():
             live.copy_(value)
 
+    def _end_with_rank0_buffers(self) -> None:
+        """At the end of training (``on_train_end``, every rank): rank 0's buffers on every rank, as each step's start
+        puts them. Otherwise a run's replicas end on their own last updates, while a run relaunched after its last
+        checkpoint (which holds one copy, rank 0's) ends on rank 0's: the same run would end in two states."""
+        options = getattr(self, "options")  # noqa: B009 (the host strategy's options)
+        if options.broadcast_buffers and self.world_size > 1 and getattr(self, "_pipeline", None) is None:
+            self._broadcast_buffers()
+
     def _rank0_buffers(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """Rank 0's floating-point buffers, in one broadcast (a collective): ``name -> (this rank's buffer, rank 0's
         value)``. The module is left as it is."""

@@ -409,6 +409,11 @@ class DeepSpeedZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, DeepSpeedStr
         return super().training_step(*args, **kwargs)
 
     @override
+    def on_train_end(self) -> None:
+        self._end_with_rank0_buffers()
+        super().on_train_end()
+
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """DeepSpeed's folder, written under a temporary name and committed by rank 0 (``filepath`` becomes a
         link)."""

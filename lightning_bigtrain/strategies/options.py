@@ -106,7 +106,8 @@ class ZeroOptions:
         save_distributed_checkpoint: Save one shard per rank (a folder); ``False`` gathers a single file
             (stage 3 and offloading only).
         broadcast_buffers: Copy rank 0's buffers (e.g. BatchNorm statistics) to every rank before each
-            training step, as DDP does, so replicas and checkpoints agree. FSDP2 alone leaves them per rank.
+            training step, as DDP does, and once more at the end of training, so replicas and checkpoints agree (a
+            run ends as one relaunched from its last checkpoint does). FSDP2 alone leaves them per rank.
         step_seeded_rng: Re-seed torch, ``random`` and NumPy before every training batch from the run's
             seed and the batch index (:func:`~lightning_bigtrain.functional.rng.fold_seed`), so that a
             resumed run draws the same dropout masks as the uninterrupted one. The run's seed (each rank's

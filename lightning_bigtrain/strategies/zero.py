@@ -724,6 +724,7 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
     @override
     def on_train_end(self) -> None:
         self._async_commits.poll(self.is_global_zero, block=True)
+        self._end_with_rank0_buffers()
         super().on_train_end()
 
     @override
