@@ -14,6 +14,7 @@ from lightning_bigtrain.models import CharGPT
 from lightning_bigtrain.strategies import CompressedDDPStrategy, ZeroStrategy
 from lightning_bigtrain.warnings import NoEffectWarning
 from tests.helpers.distributed import run_on_ranks
+from tests.strategies.test_zero_integration import _MetricsLogger
 
 pytestmark = pytest.mark.integration
 
@@ -86,27 +87,13 @@ def test_cast_warns_only_when_the_gradients_are_16_bit_already():
 # -- ZeRO-2 with a compressor: the compressed reduce-scatter --
 
 
-class _Logged(L.pytorch.loggers.Logger):
-    name, version = "logged", 0
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.metrics: list[dict[str, float]] = []
-
-    def log_metrics(self, metrics, step=None) -> None:
-        self.metrics.append(dict(metrics))
-
-    def log_hyperparams(self, params, *args, **kwargs) -> None:
-        pass
-
-
 def _zero2(rank: int, compressions: tuple[Any, ...]) -> dict[str, dict[str, Any]]:
     from benchmarks.common import count_collectives
 
     out = {}
     for compression in compressions:
         L.seed_everything(0, verbose=False)
-        logger = _Logged()
+        logger = _MetricsLogger()
         strategy = ZeroStrategy(stage=2, compression=compression, min_wrap_params=1000)
         trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=6, limit_val_batches=0,
                             enable_checkpointing=False, logger=logger, log_every_n_steps=3, enable_progress_bar=False,
