@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import RESULTS_DIR, command_line, machine_info, print_table, run_worker, write_results
+from benchmarks.common import RESULTS_DIR, command_line, machine_info, print_table, run_worker, times, write_results
 
 READERS = ("files", "local_shards", "s3", "litdata_s3", "litdata_s3_nobatch")
 BATCH, WORKERS = 256, 2
@@ -243,7 +243,7 @@ def render_block(results_dir: Path = RESULTS_DIR) -> str:
               "litdata_s3_nobatch": f"litdata {c.get('litdata', '')}, `batch_decode=False`, `s3://`"}  # fmt: skip
     base = f["readers"]["local_shards"]["steady"]
     for reader, r in f["readers"].items():
-        versus = "(the baseline)" if reader == "local_shards" else f"{r['steady'] / base:.2f}x"
+        versus = "(the baseline)" if reader == "local_shards" else times(r["steady"] / base)
         lines.append(f"| {labels[reader]} | {r['first']:.0f} | {r['steady']:.0f} | {versus} |")
     return "\n".join(lines)
 

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import RESULTS_DIR, alternate, command_line, machine_info, print_table, write_results
+from benchmarks.common import RESULTS_DIR, alternate, command_line, machine_info, print_table, times, write_results
 
 SHAPES = {"fashion_mnist": (128, 1, 28, 28), "cifar": (64, 3, 32, 32), "imagenet": (16, 3, 224, 224)}
 
@@ -146,7 +146,7 @@ def render_block(results_dir: Path = RESULTS_DIR) -> str:
             if name not in m:
                 cells.append("refused the input")
             else:
-                cells.append(f"{1000 * m[name]:.2f}" + ("" if name == "ours" else f" ({m[name] / m['ours']:.2f}x)"))
+                cells.append(f"{1000 * m[name]:.2f}" + ("" if name == "ours" else f" ({times(m[name] / m['ours'])})"))
         lines.append(f"| {names.get(name, name)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
