@@ -65,6 +65,7 @@ METHODS: dict[str, str] = {
     "onebit_adam_powersgd": "ours OneBitAdam(compressor=PowerSGD(4)): the momentum as rank-4 factors",
     "onebit_adam_q8r": "ours OneBitAdam(compressor=Quantize(8)): near-lossless momentum, the variance's own cost",
     "onebit_adam_squares10": "ours OneBitAdam(refresh_from='squares', variance_refresh=10): the ranks' own variances",
+    "auto": "ours compression='auto': fp16 and PowerSGD(4) timed for 4 steps each, the faster kept (10% margin)",
     "zero2": "ZeroStrategy(stage=2), dense fp32 reduce-scatter",
     "zero2_powersgd": "ours ZeroStrategy(stage=2, compression=PowerSGD(rank=4)): compressed reduce-scatter",
     "zero2_onebit": "ours ZeroStrategy(stage=2, compression=OneBit()): compressed reduce-scatter",
@@ -100,6 +101,8 @@ def _strategy(method: str) -> Any:
         return ZeroStrategy(stage=2, compression=_compressor(base) if base else None)
     if method.startswith("torch_"):
         return _TorchHookDDP(method)
+    if method == "auto":
+        return CompressedDDPStrategy("auto")
     if method.startswith("onebit_adam"):
         from lightning_bigtrain.compression import OneBit, OneBitAdam, PowerSGD, Quantize
 
@@ -225,6 +228,11 @@ def worker(mode: str, method: str, model: str, steps: int, warmup: int, seed: in
             result["momentum_warmup_steps"] = phase
             result["compressed_phase_sent_bytes"] = engine.sent_bytes - sent0
             result["compressed_phase_dense_bytes"] = engine.dense_bytes - dense0
+    auto = getattr(trainer.strategy, "compression", None)
+    if getattr(auto, "name", None) == "auto":
+        result["auto_choice"] = repr(auto.choice)
+        result["auto_chosen"] = auto.chosen
+        result["auto_step_s"] = auto.step_seconds
     if mode == "quality":
         if model == "gpt":
             metrics = trainer.validate(module, datamodule=data, verbose=False)
@@ -317,6 +325,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--skip-quality", action="store_true")
     parser.add_argument("--skip-link", action="store_true")
     parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        default=None,
+        help="only these link methods (fp32 and torch_fp16, the peers, always run)",
+    )
+    parser.add_argument("--models", nargs="+", choices=("gpt", "cnn"), default=None, help="only these link models")
+    parser.add_argument("--area", default="compression", help="results file name (default: compression)")
     parser.add_argument("--worker", choices=("compute", "link", "quality"), help=argparse.SUPPRESS)
     parser.add_argument("--method", default="fp32", help=argparse.SUPPRESS)
     parser.add_argument("--model", default="gpt", help=argparse.SUPPRESS)
@@ -338,6 +354,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     if quick:
         link_methods = {"gpt": ["fp32", "torch_fp16", "powersgd", "topk"]}
+    if args.models:
+        link_methods = {m: v for m, v in link_methods.items() if m in args.models}
+    if args.methods:
+        link_methods = {m: list(dict.fromkeys(["fp32", "torch_fp16", *args.methods])) for m in link_methods}
     steps = {"gpt": (6, 2) if quick else (8, 3), "cnn": (30, 10)}  # (total, warm-up)
     repeats = {"gpt": 1 if quick else args.repeats, "cnn": 1}
     figures: dict[str, Any] = {"links": {}, "quality": {}, "compute_step_s": {}}
@@ -348,7 +368,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "--warmup", str(warm), "--seed", str(seed), *extra]  # fmt: skip
 
     why_not = link_available()
-    previous = args.results_dir / "compression.json"
+    previous = args.results_dir / f"{args.area}.json"
     if args.skip_link and previous.exists():
         # Keep the link figures of the last full run; only the quality runs are redone.
         kept = json.loads(previous.read_text())["figures"]
@@ -385,8 +405,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                             if method in failed or (round_ > 0 and method == "fp32"):
                                 continue
                             port += 1
+                            # auto's trials (4 steps per candidate) come before the timed steps
+                            extra_steps = 8 if method == "auto" else 0
                             try:
-                                r = run_on_link(worker_args("link", method, model, total, warm), port)
+                                r = run_on_link(
+                                    worker_args("link", method, model, total + extra_steps, warm + extra_steps), port
+                                )
                             except RuntimeError as err:
                                 failed[method] = str(err)[-1500:]
                                 print(f"{rate} {model} {method}: FAILED\n{failed[method]}")
@@ -400,6 +424,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                             continue
                         r = dict(runs[method][0])
                         r["step_s_runs"] = [x["step_s"] for x in runs[method]]
+                        if method == "auto":
+                            r["auto_choices"] = [x.get("auto_choice") for x in runs[method]]
                         r["step_s"] = statistics.median(r["step_s_runs"])
                         measured[method] = r
                     fp16 = measured["torch_fp16"]["step_s"]
@@ -450,7 +476,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         payload = {"config": {"quick": quick, "links": links, "steps": steps, "repeats": repeats, "stage": stage,
                               "method_labels": METHODS},
                    "machine": machine_info(), "figures": figures}  # fmt: skip
-        return write_results("compression", payload, "GPT step: " + "; ".join(headline_parts), args.results_dir,
+        return write_results(args.area, payload, "GPT step: " + "; ".join(headline_parts), args.results_dir,
                              command=command_line("benchmarks.compression", argv))  # fmt: skip
 
     write("link")
@@ -516,7 +542,7 @@ SHORT = {"fp32": "fp32 DDP", "torch_fp16": "torch fp16 hook", "torch_powersgd": 
          "onebit_adam_refresh8_w25": "OneBitAdam, 25% warm-up",
          "onebit_adam_raw": "OneBitAdam, raw momentum", "onebit_adam_powersgd": "OneBitAdam, PowerSGD(4) momentum",
          "onebit_adam_q8r": "OneBitAdam, Quantize(8) momentum",
-         "onebit_adam_squares10": "OneBitAdam, ranks' variances every 10th"}  # fmt: skip
+         "onebit_adam_squares10": "OneBitAdam, ranks' variances every 10th", "auto": "compression='auto'"}  # fmt: skip
 
 
 def _label(results: dict[str, Any], method: str) -> str:
@@ -529,6 +555,45 @@ def _rounds(results: dict[str, Any], methods: dict[str, Any]) -> str:
     for m, n in counts.items():
         groups.setdefault(n, []).append(_label(results, m))
     return ", ".join(f"{n} ({', '.join(ms)})" for n, ms in sorted(groups.items(), reverse=True))
+
+
+def render_auto_block(results_dir: Path = RESULTS_DIR, name: str = "compression_auto.json") -> str:
+    """The ``compression-auto`` figure block (docs/compression.md), from ``results/compression_auto.json``
+    (``--methods fp16 powersgd auto --area compression_auto``): per link rate, ``compression="auto"``'s step
+    against the best dense option measured on that link (the fastest of fp32 DDP, torch's fp16 hook and Cast(fp16))
+    and PowerSGD(4)'s, with what auto chose in each round."""
+    from benchmarks.common import load_results, measured_line, sig, times
+
+    results = load_results(results_dir, name)
+    f = results["figures"]
+    lines = [measured_line(results, name, results_dir), ""]
+    dense_methods = ("fp32", "torch_fp16", "fp16")
+    lines += [
+        "Two network namespaces joined by a shaped veth pair, one rank in each (the link benchmark above); the "
+        'char-GPT. `compression="auto"` times its first 8 steps (4 with a 16-bit all-reduce, then 4 with '
+        "PowerSGD(4)) and keeps the faster if it is 10% faster than the dense one; its step is timed after that. "
+        "Ratios are step-time speed-ups over the best dense option on that link (> 1: faster).",
+        "",
+        "| link | best dense option: step s | `auto` chose (per round) | `auto` vs best dense | PowerSGD(4) vs best "
+        "dense | rounds |",
+        "|---|---|---|---|---|---|",
+    ]
+    for rate, per_rate in f["links"].items():
+        methods = per_rate["gpt"]["methods"]
+        ok = {m: r for m, r in methods.items() if "error" not in r}
+        best = min((m for m in dense_methods if m in ok), key=lambda m: ok[m]["step_s"])
+        auto = ok["auto"]
+        chosen: dict[str, int] = {}
+        for c in auto.get("auto_choices", []):
+            label = (c or "?").split("(")[0]
+            chosen[label] = chosen.get(label, 0) + 1
+        picks = ", ".join(f"{k} {v}/{len(auto.get('auto_choices', []))}" for k, v in chosen.items())
+        powersgd = times(ok[best]["step_s"] / ok["powersgd"]["step_s"]) if "powersgd" in ok else "-"
+        lines.append(
+            f"| {rate} | {_label(results, best)}: {sig(ok[best]['step_s'])} s | {picks} | "
+            f"{times(ok[best]['step_s'] / auto['step_s'])} | {powersgd} | {len(auto['step_s_runs'])} |"
+        )
+    return "\n".join(lines)
 
 
 def render_block(results_dir: Path = RESULTS_DIR) -> str:

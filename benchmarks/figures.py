@@ -339,6 +339,12 @@ BLOCKS: dict[str, Block] = {
         Block("precision", _module("benchmarks.precision"), ("docs/bf16.md",), ("precision*.json",)),
         Block("compression", _module("benchmarks.compression"), ("docs/compression.md",), ("compression.json",)),
         Block(
+            "compression-auto",
+            _module("benchmarks.compression", "render_auto_block"),
+            ("docs/compression.md",),
+            ("compression_auto.json",),
+        ),
+        Block(
             "onebit-adam",
             _module("benchmarks.onebit_adam"),
             ("docs/compression.md",),

@@ -2,11 +2,13 @@
 
 >>> from lightning_bigtrain.compression import PowerSGD, TopK
 >>> strategy = CompressedDDPStrategy(compression=PowerSGD(rank=4))  # doctest: +SKIP
+>>> strategy = CompressedDDPStrategy(compression="auto")  # dense fp16 unless PowerSGD is timed faster  # doctest: +SKIP
 >>> strategy = CompressedDDPStrategy(compression=OneBitAdam(warmup_steps=0.15))  # 1-bit Adam  # doctest: +SKIP
 
 See :mod:`lightning_bigtrain.functional.compression` for the methods, their papers and byte formulas.
 """
 
+from lightning_bigtrain.engines.auto_compression import AutoCompression
 from lightning_bigtrain.engines.compression import GradientCompression
 from lightning_bigtrain.engines.onebit_adam import CompressedMomentumAdam, OneBitAdam
 from lightning_bigtrain.functional.compression import (
@@ -23,6 +25,7 @@ from lightning_bigtrain.functional.compression import (
 __all__ = [
     "COMPRESSION_NAMES",
     "COMPRESSORS",
+    "AutoCompression",
     "Cast",
     "CompressedMomentumAdam",
     "Compressor",

@@ -359,6 +359,7 @@ class GradientCompression:
             "errors": {k: v.detach().cpu().clone() for k, v in self.errors.items()},
             "factors": {k: v.detach().cpu().clone() for k, v in self.factors.items()},
             "rank_state": {k: v.detach().cpu().clone() for k, v in self.rank_state.items()},
+            "compressor_state": self.compressor.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any], *, errors: bool = True) -> None:
@@ -369,3 +370,5 @@ class GradientCompression:
         self.errors = dict(state["errors"]) if errors else {}
         self.factors = dict(state["factors"])
         self.rank_state = dict(state.get("rank_state", {})) if errors else {}
+        if "compressor_state" in state:
+            self.compressor.load_state_dict(state["compressor_state"])

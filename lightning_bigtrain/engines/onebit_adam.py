@@ -133,6 +133,12 @@ class OneBitAdam:
             compressor = COMPRESSION_NAMES[compressor]()
         if not isinstance(compressor, Compressor):
             raise TypeError(f"`OneBitAdam(compressor={compressor!r})`: pass a Compressor or its name.")
+        if compressor.name == "auto":  # AutoCompression: a timed choice of gradient exchanges, not a momentum codec
+            raise ValueError(
+                f"`OneBitAdam(compressor={compressor!r})` is not supported: the momentum is exchanged by one "
+                "compressor with error feedback (OneBit, TopK, PowerSGD, Quantize); 'auto' picks a gradient "
+                "exchange under CompressedDDPStrategy(compression='auto')."
+            )
         if compressor.warmup_steps:
             raise ValueError(
                 f"`OneBitAdam(compressor={compressor!r})`: the compressor's own warmup_steps must be 0; set "

@@ -124,6 +124,14 @@ class Compressor:
         """Write the rank average of every segment's (error-corrected) gradient into its view."""
         raise NotImplementedError
 
+    def state_dict(self) -> dict[str, Any]:
+        """What the compressor itself keeps between steps (checkpointed with each rank's engine state); the
+        compressors here keep nothing (their state lives in the engine), ``AutoCompression`` its trials."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self._args()})"
 

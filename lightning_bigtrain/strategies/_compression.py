@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lightning_bigtrain._logging import is_logging_step, log_interval
+from lightning_bigtrain.engines.auto_compression import AutoCompression
 from lightning_bigtrain.engines.compression import GradientCompression
 from lightning_bigtrain.functional.compression import COMPRESSION_NAMES, Cast, Compressor
 from lightning_bigtrain.warnings import BigtrainWarning, NoEffectWarning, warn_once
@@ -21,7 +22,16 @@ CHECKPOINT_KEY = "bigtrain_compression"
 
 
 def resolve_compression(value: Compressor | str | None, owner: str) -> Compressor | None:
-    """A compressor from a ``Compressor`` or one of :data:`COMPRESSION_NAMES`; ``owner`` names the call."""
+    """A compressor from a ``Compressor`` or one of :data:`COMPRESSION_NAMES` (and ``"auto"`` for
+    ``CompressedDDPStrategy``); ``owner`` names the call."""
+    if value == "auto" or isinstance(value, AutoCompression):
+        if owner != "CompressedDDPStrategy":
+            raise ValueError(
+                f"`{owner}(compression={value!r})` is not supported: the timed choice of an exchange runs under "
+                "CompressedDDPStrategy only. Pass a compressor (e.g. 'fp16', 'powersgd'), or use "
+                "CompressedDDPStrategy(compression='auto')."
+            )
+        return AutoCompression() if value == "auto" else value  # type: ignore[return-value]
     if value is None or isinstance(value, Compressor):
         return value
     if isinstance(value, str) and value in COMPRESSION_NAMES:
@@ -29,7 +39,7 @@ def resolve_compression(value: Compressor | str | None, owner: str) -> Compresso
     raise ValueError(
         f"`{owner}(compression={value!r})` is not supported: pass a compressor from "
         "lightning_bigtrain.compression (PowerSGD, TopK, OneBit, Quantize, Cast) or one of "
-        f"{', '.join(repr(k) for k in COMPRESSION_NAMES)}."
+        f"{', '.join(repr(k) for k in COMPRESSION_NAMES)}" + (", 'auto'." if owner == "CompressedDDPStrategy" else ".")
     )
 
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as L
@@ -11,9 +12,11 @@ import torch.distributed
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from lightning_bigtrain.engines.auto_compression import AutoCompression
 from lightning_bigtrain.engines.compression import GradientCompression
 from lightning_bigtrain.engines.onebit_adam import CompressedMomentumAdam, OneBitAdam, phase_hook
 from lightning_bigtrain.functional.compression import COMPRESSION_NAMES, Compressor, Quantize
@@ -64,7 +67,12 @@ class CompressedDDPStrategy(FaultTolerantStrategyMixin, DDPStrategy):
     ``compression/ratio``.
 
     Registered as ``bigtrain_ddp_powersgd``, ``bigtrain_ddp_topk``, ``bigtrain_ddp_onebit``,
-    ``bigtrain_ddp_int8`` and ``bigtrain_ddp_fp16``.
+    ``bigtrain_ddp_int8``, ``bigtrain_ddp_fp16`` and ``bigtrain_ddp_auto``.
+
+    With ``compression="auto"`` (:class:`~lightning_bigtrain.engines.auto_compression.AutoCompression`) the first
+    optimizer steps are timed trials of a dense 16-bit all-reduce and of PowerSGD on the run's own link, and the
+    ranks keep the faster (dense unless PowerSGD is clearly faster); the choice is logged
+    (``compression/auto_choice``: the candidate's index) and checkpointed.
 
     Acts in: ``configure_ddp`` (hook registration), ``optimizer_step`` (step count, logging),
     ``save_checkpoint`` / ``load_checkpoint`` (compression state), ``teardown``.
@@ -79,14 +87,17 @@ class CompressedDDPStrategy(FaultTolerantStrategyMixin, DDPStrategy):
     Args:
         compression: A compressor (``PowerSGD(rank=4)``, ``TopK(0.01)``, ``OneBit()``, ``Quantize(8)``,
             ``Cast("fp16")``, ...) or one of the names ``"powersgd"``, ``"topk"``, ``"onebit"``,
-            ``"int8"``, ``"int4"``, ``"fp16"``, ``"bf16"``; or ``OneBitAdam(...)`` (compressed momentum).
+            ``"int8"``, ``"int4"``, ``"fp16"``, ``"bf16"``; ``"auto"`` / ``AutoCompression(...)`` (the exchange
+            picked by timing the first steps); or ``OneBitAdam(...)`` (compressed momentum).
         **kwargs: Passed to Lightning's ``DDPStrategy`` (``start_method``, ``process_group_backend``,
             ``find_unused_parameters``, ...), except its comm-hook arguments, which this strategy owns.
     """
 
     strategy_name = "bigtrain_ddp_compressed"
 
-    def __init__(self, compression: Compressor | OneBitAdam | str = "powersgd", **kwargs: Any) -> None:
+    def __init__(
+        self, compression: Compressor | AutoCompression | OneBitAdam | str = "powersgd", **kwargs: Any
+    ) -> None:
         given = [k for k in _OWN_HOOK_ARGS if kwargs.get(k) is not None]
         if given:
             raise ValueError(
@@ -120,6 +131,13 @@ class CompressedDDPStrategy(FaultTolerantStrategyMixin, DDPStrategy):
                 override=True,
                 compression=compression,
             )
+        strategy_registry.register(
+            "bigtrain_ddp_auto",
+            cls,
+            description="lightning_bigtrain DDP with the gradient exchange chosen by timing the first steps",
+            override=True,
+            compression="auto",
+        )
         strategy_registry.register(
             "bigtrain_ddp_onebit_adam",
             cls,
@@ -194,8 +212,20 @@ class CompressedDDPStrategy(FaultTolerantStrategyMixin, DDPStrategy):
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        start = time.perf_counter()
         result = super().optimizer_step(optimizer, closure, model, **kwargs)
+        seconds = time.perf_counter() - start
         self._support.after_step(self)
+        auto, engine = self.compression, self._support.engine
+        if isinstance(auto, AutoCompression) and engine is not None and auto.record(seconds, engine, self.root_device):
+            rank_zero_info(auto.summary())
+            module = self.lightning_module
+            if module is not None and self.is_global_zero:
+                assert auto.step_seconds is not None and auto.chosen is not None
+                metrics = {"compression/auto_choice": float(auto.chosen)}
+                metrics.update({f"compression/auto_step_s_{i}": s for i, s in enumerate(auto.step_seconds)})
+                for logger in module.trainer.loggers:
+                    logger.log_metrics(metrics, step=module.trainer.global_step)
         return result
 
     @override

@@ -30,6 +30,7 @@ NAMES = {
     "bigtrain_ddp_int4",
     "bigtrain_ddp_bf16",
     "bigtrain_ddp_onebit_adam",
+    "bigtrain_ddp_auto",
     "bigtrain_deepspeed_zero1",
     "bigtrain_deepspeed_zero2",
     "bigtrain_deepspeed_zero3",
