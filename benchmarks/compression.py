@@ -241,7 +241,7 @@ def worker(mode: str, method: str, model: str, steps: int, warmup: int, seed: in
             metrics = trainer.test(module, datamodule=data, verbose=False)
             result["test_acc"] = metrics[0]["test_acc"]
     result["params"] = sum(p.numel() for p in module.parameters())
-    if method != "fp32" and not method.startswith(("torch_", "onebit_adam", "zero2")):
+    if method != "fp32" and not method.startswith(("torch_", "onebit_adam", "zero2", "auto")):
         result["analytic_ratio"] = _analytic_ratio(module, _compressor(method))
     if trainer.is_global_zero:
         Path(out).write_text(json.dumps(result))
@@ -345,6 +345,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         worker(args.worker, args.method, args.model, args.steps, args.warmup, args.seed, args.quick, args.out)
         return {}
 
+    from lightning_bigtrain.compression import AutoCompression
+
     quick = args.quick
     extra = ["--quick"] if quick else []
     links = args.links or (["100mbit"] if quick else ["100mbit", "1gbit"])
@@ -405,8 +407,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                             if method in failed or (round_ > 0 and method == "fp32"):
                                 continue
                             port += 1
-                            # auto's trials (4 steps per candidate) come before the timed steps
-                            extra_steps = 8 if method == "auto" else 0
+                            # auto's trials (trial_steps per candidate) come before the timed steps
+                            extra_steps = AutoCompression().trial_length if method == "auto" else 0
                             try:
                                 r = run_on_link(
                                     worker_args("link", method, model, total + extra_steps, warm + extra_steps), port
@@ -473,8 +475,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 headline_parts.append(
                     f"{rate}: {best} {per_rate['gpt']['methods'][best]['speedup_vs_torch_fp16']:.2f}x the fp16 hook"
                 )
+        auto = AutoCompression()
+        auto_config = {"candidates": [repr(c) for c in auto.candidates], "trial_steps": auto.trial_steps,
+                       "margin": auto.margin}  # fmt: skip
         payload = {"config": {"quick": quick, "links": links, "steps": steps, "repeats": repeats, "stage": stage,
-                              "method_labels": METHODS},
+                              "method_labels": METHODS, "auto": auto_config},
                    "machine": machine_info(), "figures": figures}  # fmt: skip
         return write_results(args.area, payload, "GPT step: " + "; ".join(headline_parts), args.results_dir,
                              command=command_line("benchmarks.compression", argv))  # fmt: skip
@@ -568,11 +573,14 @@ def render_auto_block(results_dir: Path = RESULTS_DIR, name: str = "compression_
     f = results["figures"]
     lines = [measured_line(results, name, results_dir), ""]
     dense_methods = ("fp32", "torch_fp16", "fp16")
+    auto_config = results["config"]["auto"]
+    trials = " then ".join(f"`{c.split(', ')[0].removesuffix(')')})`" for c in auto_config["candidates"])
     lines += [
         "Two network namespaces joined by a shaped veth pair, one rank in each (the link benchmark above); the "
-        'char-GPT. `compression="auto"` times its first 8 steps (4 with a 16-bit all-reduce, then 4 with '
-        "PowerSGD(4)) and keeps the faster if it is 10% faster than the dense one; its step is timed after that. "
-        "Ratios are step-time speed-ups over the best dense option on that link (> 1: faster).",
+        f"char-GPT. `compression='auto'` runs {auto_config['trial_steps']} steps with each of {trials}, keeps the "
+        f"fastest compressor if it is {100 * auto_config['margin']:.0f}% faster than the dense option, else the "
+        "dense one; its step is timed after the trials. Ratios are step-time speed-ups over the best dense option "
+        "measured on that link (> 1: faster).",
         "",
         "| link | best dense option: step s | `auto` chose (per round) | `auto` vs best dense | PowerSGD(4) vs best "
         "dense | rounds |",
