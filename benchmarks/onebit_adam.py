@@ -41,6 +41,8 @@ ABLATIONS = (
     "onebit_adam_powersgd",
     "onebit_adam_q8r",
     "onebit_adam_squares10",
+    "onebit_adam_q8r_every2",
+    "onebit_adam_refresh4_4bit",
     # ZeRO-2 with a compressed reduce-scatter (issue 21 part 3), and ZeRO-2 dense: no dense warm-up, the whole run is
     # the compressed phase; bytes against a dense fp32 reduce-scatter.
     "zero2",

@@ -193,7 +193,11 @@ class CompressedDDPStrategy(FaultTolerantStrategyMixin, DDPStrategy):
         warmup = self.momentum.resolve_warmup(trainer.estimated_stepping_batches)
         every = self.momentum.variance_refresh
         assert isinstance(self.model, DistributedDataParallel)
-        refresh = None if every is None else GradientCompression(Quantize(8), self.model.module, seed=1)
+        refresh = (
+            None
+            if every is None
+            else GradientCompression(Quantize(self.momentum.refresh_bits), self.model.module, seed=1)
+        )
         wrapped = CompressedMomentumAdam.from_optimizer(
             optimizer,
             engine,

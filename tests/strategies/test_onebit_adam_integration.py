@@ -230,6 +230,9 @@ def test_bad_arguments_are_refused_at_construction():
         OneBitAdam(refresh_from="sq")
     with pytest.raises(ValueError, match=r"nothing to refresh it from; pass variance_refresh=10"):
         OneBitAdam(refresh_from="squares", variance_refresh=None)
+    with pytest.raises(ValueError, match=r"refresh_bits=2\)`: a refresh averages with 8- or 4-bit"):
+        OneBitAdam(refresh_bits=2)
+    assert "refresh_bits=4" in repr(OneBitAdam(variance_refresh=4, refresh_bits=4))
     assert OneBitAdam(0.1).resolve_warmup(200) == 20
     assert isinstance(CompressedDDPStrategy("onebit_adam").momentum, OneBitAdam)
 
