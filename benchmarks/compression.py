@@ -66,6 +66,7 @@ METHODS: dict[str, str] = {
     "onebit_adam_q8r": "ours OneBitAdam(compressor=Quantize(8)): near-lossless momentum, the variance's own cost",
     "onebit_adam_squares10": "ours OneBitAdam(refresh_from='squares', variance_refresh=10): the ranks' own variances",
     "onebit_adam_q8r_every2": "ours OneBitAdam(compressor=Quantize(8), variance_refresh=2): the variance's age",
+    "onebit_adam_q8r_plain": "ours OneBitAdam(compressor=Quantize(8), track_scale=False, preconditioned=False)",
     "onebit_adam_refresh4_4bit": "ours OneBitAdam(variance_refresh=4, refresh_bits=4): fresher, coarser variance",
     "auto": "ours compression='auto': fp16 and PowerSGD(4) timed for 4 steps each, the faster kept (10% margin)",
     "zero2": "ZeroStrategy(stage=2), dense fp32 reduce-scatter",
@@ -118,6 +119,10 @@ def _strategy(method: str) -> Any:
             return CompressedDDPStrategy(OneBitAdam(compressor=Quantize(8, error_feedback=True)))
         if method == "onebit_adam_q8r_every2":  # near-lossless momentum, the variance refreshed every 2nd step
             return CompressedDDPStrategy(OneBitAdam(compressor=Quantize(8, error_feedback=True), variance_refresh=2))
+        if method == "onebit_adam_q8r_plain":  # near-lossless momentum, neither tracked scale nor preconditioning
+            return CompressedDDPStrategy(
+                OneBitAdam(compressor=Quantize(8, error_feedback=True), track_scale=False, preconditioned=False)
+            )
         if method == "onebit_adam_refresh4_4bit":  # the defaults, the variance refreshed every 4th step from 4 bits
             return CompressedDDPStrategy(OneBitAdam(variance_refresh=4, refresh_bits=4))
         if method.startswith("onebit_adam_squares"):  # onebit_adam_squares<K>: the ranks' own variances every K

@@ -43,6 +43,7 @@ ABLATIONS = (
     "onebit_adam_squares10",
     "onebit_adam_q8r_every2",
     "onebit_adam_refresh4_4bit",
+    "onebit_adam_q8r_plain",
     # ZeRO-2 with a compressed reduce-scatter (issue 21 part 3), and ZeRO-2 dense: no dense warm-up, the whole run is
     # the compressed phase; bytes against a dense fp32 reduce-scatter.
     "zero2",
