@@ -1,15 +1,15 @@
 """``compression="auto"``: the gradient exchange picked by timing real training steps on the run's own link.
 
-Whether a compressor pays depends on how much of the step the exchange takes, and on what compressing costs where
-it runs: on our shaped 100 Mbit/s link PowerSGD(4) made the char-GPT's step much faster than a 16-bit all-reduce,
-at 1 Gbit/s it was slower on one host (its matrix products compete with backward for the cores while a dense
-all-reduce waits on the wire) and about as fast on another (``docs/compression.md``). A model of the link can miss
-the second effect, so the choice is measured: the run's first optimizer steps are trials, ``trial_steps`` with each
-candidate in turn (the dense option first), each rank timing its optimizer steps (forward, backward with the exchange overlapped, update). After
-the last trial the ranks all-reduce their median step times (the slowest rank's counts: it sets the pace) and every
-rank takes the same choice: the fastest compressor if it beats the dense option's median by ``margin``, else the
-dense option. The first step of each trial is not timed (DDP rebuilds its buckets after its first step; PowerSGD
-starts its factors).
+Whether a compressor pays depends on how much of the step the exchange takes, and on what compressing costs where it
+runs: on our shaped 100 Mbit/s link PowerSGD(4) made the char-GPT's step much faster than a 16-bit all-reduce, at 1
+Gbit/s it was slower on one host (its matrix products compete with backward for the cores while a dense all-reduce
+waits on the wire) and about as fast on another (``docs/compression.md``). A model of the link can miss the second
+effect, so the choice is measured: the run's first optimizer steps are trials, ``trial_steps`` with each candidate
+in turn (the dense option first), each rank timing its optimizer steps (forward, backward with the exchange
+overlapped, update). After the last trial the ranks all-reduce their median step times (the slowest rank's counts:
+it sets the pace) and every rank takes the same choice: the fastest compressor if it beats the dense option's median
+by ``margin``, else the dense option. The first step of each trial is not timed (DDP rebuilds its buckets after its
+first step; PowerSGD starts its factors).
 
 The trials are training steps, not extra work. When the choice is the dense option, what the compressed trials'
 messages left out (their error-feedback residual) is dropped, as is PowerSGD's warm start; the choice, the trials'
