@@ -127,16 +127,16 @@ class AutoCompression(Compressor):
         """The chosen candidate (None while trials run)."""
         return None if self.chosen is None else self.candidates[self.chosen]
 
-    @property  # type: ignore[override]
-    def error_feedback(self) -> bool:
+    @property
+    def error_feedback(self) -> bool:  # type: ignore[override]
         return self.active.error_feedback
 
-    @property  # type: ignore[override]
-    def min_compress_numel(self) -> int:
+    @property
+    def min_compress_numel(self) -> int:  # type: ignore[override]
         return self.active.min_compress_numel
 
-    @property  # type: ignore[override]
-    def warmup_steps(self) -> int:
+    @property
+    def warmup_steps(self) -> int:  # type: ignore[override]
         return 0
 
     def compressible(self, shape: torch.Size) -> bool:
