@@ -104,8 +104,12 @@ class AutoCompression(Compressor):
         self.candidates = tuple(resolved)
         self.trial_steps = trial_steps
         self.margin = float(margin)
+        self.reset()
+
+    def reset(self) -> None:
+        """Back to before the trials (a new engine: a new run, or the same object passed to another Trainer)."""
         self.step = 0  # optimizer steps completed (the engine's count)
-        self.times: list[list[float]] = [[] for _ in resolved]  # this rank's timed steps per candidate
+        self.times: list[list[float]] = [[] for _ in self.candidates]  # this rank's timed steps per candidate
         self.step_seconds: list[float] | None = None  # the ranks' medians (max over ranks), once decided
         self.chosen: int | None = None
 

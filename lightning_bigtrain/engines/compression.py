@@ -51,6 +51,7 @@ class GradientCompression:
         self, compressor: Compressor, module: nn.Module, group: Any = None, seed: int = 0, *, sharded: bool = False
     ) -> None:
         self.compressor = compressor
+        compressor.reset()  # a compressor object reused by a second run starts afresh (a checkpoint restores it)
         self.group = group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)

@@ -132,6 +132,9 @@ class Compressor:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`."""
 
+    def reset(self) -> None:
+        """Forget what :meth:`state_dict` holds: a new engine (a new run) starts here."""
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self._args()})"
 

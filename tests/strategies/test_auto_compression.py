@@ -68,7 +68,12 @@ def _decide(rank: int, margin: float, seconds: tuple[float, ...]) -> dict[str, A
     state = auto.state_dict()
     again = AutoCompression(("fp16", TopK(0.1), "powersgd"), trial_steps=3, margin=margin)
     again.load_state_dict(state)
-    return {"actives": actives, "decided": decided, "chosen": auto.chosen, "seconds": auto.step_seconds,
+    chosen = auto.chosen
+    GradientCompression(auto, model)  # the same object in a new run: its trials start again
+    fresh = auto.chosen is None and auto.step == 0 and auto.times == [[], [], []]
+    auto.load_state_dict(state)
+    assert auto.chosen == chosen
+    return {"fresh": fresh, "actives": actives, "decided": decided, "chosen": auto.chosen, "seconds": auto.step_seconds,
             "errors_kept": bool(engine.errors), "summary": auto.summary(), "restored": type(again.active).__name__,
             "times": auto.times}  # fmt: skip
 
@@ -78,7 +83,7 @@ def test_the_fastest_compressor_is_chosen_only_when_it_beats_dense_by_the_margin
     assert r["actives"] == ["Cast"] * 3 + ["TopK"] * 3 + ["PowerSGD"] * 3  # each candidate for trial_steps steps
     assert r["decided"] == [False] * 8 + [True]  # decided once, after the last trial step
     assert r["times"] == [[1.0, 1.0], [0.5, 0.5], [0.8, 0.8]]  # the first step of each trial is not timed
-    assert r["chosen"] == 1 and r["seconds"] == [1.0, 0.5, 0.8] and r["restored"] == "TopK"
+    assert r["chosen"] == 1 and r["seconds"] == [1.0, 0.5, 0.8] and r["restored"] == "TopK" and r["fresh"]
     assert "chose TopK(" in r["summary"]
     # A compressor 5% faster than dense does not clear a 10% margin: dense, and the trial's residual is dropped.
     r = run_on_ranks(_decide, 0.1, (1.0, 0.95, 0.97), world_size=1)[0]
