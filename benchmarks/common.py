@@ -242,7 +242,11 @@ def load_results(results_dir: Path, name: str) -> dict[str, Any]:
     """``results_dir/name`` parsed; a missing file is an error naming the benchmark that writes it."""
     path = Path(results_dir) / name
     if not path.exists():
-        raise FileNotFoundError(f"{path} is missing: run `python -m benchmarks.{name.split('_lr')[0].split('.')[0]}`")
+        raise FileNotFoundError(
+            f"{path} is missing: run the benchmark that writes it (benchmarks/results/README.md lists each file's "
+            f"area; most are `python -m benchmarks.{name.split('_lr')[0].split('.')[0]}`, the `--area` runs of "
+            "benchmarks.compression and benchmarks.onebit_adam write the others)"
+        )
     return json.loads(path.read_text())
 
 
