@@ -156,9 +156,15 @@ class AutoCompression(Compressor):
         self.active.exchange(engine, compressed, dense)
 
     # -- the trials --
+    @property
+    def deciding(self) -> bool:
+        """Whether the trials still run (the strategy times its steps and calls :meth:`record` only then)."""
+        return self.chosen is None
+
     def record(self, seconds: float, engine: GradientCompression, device: torch.device) -> bool:
-        """Note one finished optimizer step of ``seconds`` on this rank (call on every rank, after the engine
-        counted the step). Returns True on the step that took the decision (a collective: all ranks call it)."""
+        """Note one finished optimizer step of ``seconds`` on this rank (call on every rank while :attr:`deciding`,
+        after the engine counted the step). Returns True on the step that took the decision (a collective: all
+        ranks call it)."""
         index = self.step // self.trial_steps
         if self.chosen is None and index < len(self.candidates) and self.step % self.trial_steps:
             self.times[index].append(float(seconds))
@@ -166,8 +172,8 @@ class AutoCompression(Compressor):
         self.step = engine.step
         if self.chosen is None and self.step >= self.trial_length:
             self._decide(engine, device)
-        if self.active is not before:
-            self._switch(engine)
+        if self.active is not before:  # the next step uses another compressor: it starts as at a run's start
+            engine.drop_carried_state()
         return self.chosen is not None and self.step == self.trial_length
 
     def _decide(self, engine: GradientCompression, device: torch.device) -> None:
@@ -179,14 +185,6 @@ class AutoCompression(Compressor):
         dense = self.step_seconds[0]
         best = min(range(1, len(self.candidates)), key=lambda i: self.step_seconds[i])  # type: ignore[index]
         self.chosen = best if self.step_seconds[best] < (1.0 - self.margin) * dense else 0
-
-    @staticmethod
-    def _switch(engine: GradientCompression) -> None:
-        """A new compressor from the next step: what the last one carried (error feedback, PowerSGD's factors) is
-        dropped, so the next one starts as it would at the start of a run."""
-        engine.errors.clear()
-        engine.factors.clear()
-        engine._spare.clear()
 
     def summary(self) -> str:
         """The decision in a sentence (for the log)."""

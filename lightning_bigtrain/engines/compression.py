@@ -319,6 +319,13 @@ class GradientCompression:
             seen[(storage.data_ptr(), t.device)] = storage.nbytes()
         return sum(seen.values())
 
+    def drop_carried_state(self) -> None:
+        """Forget what the compressor carries between steps (error feedback, PowerSGD's factors, recycled buffers),
+        as at the start of a run: for a change of compressor between steps (``AutoCompression``)."""
+        self.errors.clear()
+        self.factors.clear()
+        self._spare.clear()
+
     def advance(self) -> None:
         """End one optimizer step: commit its compression state if all its averages were finite (else
         drop it, as the gradient scaler drops the step), and count it (warm-up and seeds follow the count).

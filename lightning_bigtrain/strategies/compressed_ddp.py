@@ -216,21 +216,33 @@ class CompressedDDPStrategy(FaultTolerantStrategyMixin, DDPStrategy):
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        engine = self._support.engine
+        auto = self.compression if isinstance(self.compression, AutoCompression) else None
+        if auto is None or engine is None or not auto.deciding:  # timed only during the trials
+            result = super().optimizer_step(optimizer, closure, model, **kwargs)
+            self._support.after_step(self)
+            return result
         start = time.perf_counter()
         result = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self.root_device.type == "cuda":
+            torch.cuda.synchronize(self.root_device)  # the step's kernels, not their launch
         seconds = time.perf_counter() - start
         self._support.after_step(self)
-        auto, engine = self.compression, self._support.engine
-        if isinstance(auto, AutoCompression) and engine is not None and auto.record(seconds, engine, self.root_device):
-            rank_zero_info(auto.summary())
-            module = self.lightning_module
-            if module is not None and self.is_global_zero:
-                assert auto.step_seconds is not None and auto.chosen is not None
-                metrics = {"compression/auto_choice": float(auto.chosen)}
-                metrics.update({f"compression/auto_step_s_{i}": s for i, s in enumerate(auto.step_seconds)})
-                for logger in module.trainer.loggers:
-                    logger.log_metrics(metrics, step=module.trainer.global_step)
+        if auto.record(seconds, engine, self.root_device):
+            self._log_auto_choice(auto)
         return result
+
+    def _log_auto_choice(self, auto: AutoCompression) -> None:
+        """The decision, once: a sentence at info level, the choice and each candidate's median step to the loggers."""
+        rank_zero_info(auto.summary())
+        module = self.lightning_module
+        if module is None or not self.is_global_zero:
+            return
+        assert auto.step_seconds is not None and auto.chosen is not None
+        metrics = {"compression/auto_choice": float(auto.chosen)}
+        metrics.update({f"compression/auto_step_s_{i}": s for i, s in enumerate(auto.step_seconds)})
+        for logger in module.trainer.loggers:
+            logger.log_metrics(metrics, step=module.trainer.global_step)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
