@@ -221,6 +221,8 @@ class CompressedDDPStrategy(FaultTolerantStrategyMixin, DDPStrategy):
         if auto is None or engine is None or not auto.deciding:  # timed only during the trials
             result = super().optimizer_step(optimizer, closure, model, **kwargs)
             self._support.after_step(self)
+            if auto is not None and engine is not None:
+                auto.step = engine.step  # its count of steps stays the run's (checkpointed with it)
             return result
         start = time.perf_counter()
         result = super().optimizer_step(optimizer, closure, model, **kwargs)
