@@ -69,6 +69,8 @@ METHODS: dict[str, str] = {
     "onebit_adam_q8r_plain": "ours OneBitAdam(compressor=Quantize(8), track_scale=False, preconditioned=False)",
     "onebit_adam_refresh4_4bit": "ours OneBitAdam(variance_refresh=4, refresh_bits=4): fresher, coarser variance",
     "auto": "ours compression='auto': fp16 and PowerSGD(4) timed for 4 steps each, the faster kept (10% margin)",
+    "powersgd_flat": "ours PowerSGD(rank=4), hierarchical=False: every rank in one flat exchange across nodes",
+    "onebit_flat": "ours OneBit(), hierarchical=False: every rank in one flat exchange across nodes",
     "zero2": "ZeroStrategy(stage=2), dense fp32 reduce-scatter",
     "zero2_powersgd": "ours ZeroStrategy(stage=2, compression=PowerSGD(rank=4)): compressed reduce-scatter",
     "zero2_onebit": "ours ZeroStrategy(stage=2, compression=OneBit()): compressed reduce-scatter",
@@ -81,7 +83,7 @@ def _compressor(method: str) -> Any:
 
     ef = False if method.endswith("_noef") else None
     warm = 10 if method.endswith("_warm") else 0
-    base = method.removesuffix("_noef").removesuffix("_warm")
+    base = method.removesuffix("_flat").removesuffix("_noef").removesuffix("_warm")
     return {
         "fp16": lambda: Cast("fp16"),
         "powersgd": lambda: PowerSGD(rank=4, error_feedback=ef, warmup_steps=warm),
@@ -139,7 +141,9 @@ def _strategy(method: str) -> Any:
             return CompressedDDPStrategy(OneBitAdam(variance_refresh=None, **paper))
         momentum = {"onebit_adam_block": OneBit(block=256), "onebit_adam_q8": Quantize(8, error_feedback=True)}[method]
         return CompressedDDPStrategy(OneBitAdam(compressor=momentum, variance_refresh=None, **paper))
-    return CompressedDDPStrategy(_compressor(method))
+    if method.endswith("_flat"):  # several ranks per node, exchanged as one flat group (no hierarchy)
+        return CompressedDDPStrategy(_compressor(method), hierarchical=False)
+    return CompressedDDPStrategy(_compressor(method))  # hierarchical where there are nodes of several ranks
 
 
 class _TorchHookDDP(DDPStrategy):
@@ -206,6 +210,7 @@ def worker(mode: str, method: str, model: str, steps: int, warmup: int, seed: in
                 marks["tx"] = _tx_bytes(iface)
                 marks["sent"] = engine.sent_bytes if engine is not None else None
                 marks["dense"] = engine.dense_bytes if engine is not None else None
+                marks["intra"] = engine.intra_bytes if engine is not None else None
             self.t0 = time.perf_counter()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
@@ -219,9 +224,13 @@ def worker(mode: str, method: str, model: str, steps: int, warmup: int, seed: in
         trainer = L.Trainer(devices=1, limit_val_batches=0, **common)
     elif mode == "link":
         trainer = L.Trainer(devices=1, num_nodes=2, strategy=_strategy(method), limit_val_batches=0, **common)
+    elif mode == "nodes":  # two "nodes" of two ranks each (the second rank of a node launched by Lightning)
+        trainer = L.Trainer(devices=2, num_nodes=2, strategy=_strategy(method), limit_val_batches=0, **common)
     else:  # quality, over loopback; validation (GPT) on a fixed 32 batches after training only
-        trainer = L.Trainer(devices=2, strategy=_strategy(method), limit_val_batches=32, val_check_interval=None,
-                            check_val_every_n_epoch=10_000, num_sanity_val_steps=0, **common)  # fmt: skip
+        nodes = 2 if mode == "nodes_quality" else 1  # two "nodes" of two ranks (launched by run_on_link)
+        trainer = L.Trainer(devices=2, num_nodes=nodes, strategy=_strategy(method), limit_val_batches=32,
+                            val_check_interval=None, check_val_every_n_epoch=10_000, num_sanity_val_steps=0,
+                            **common)  # fmt: skip
     trainer.fit(module, datamodule=data)
     result: dict[str, Any] = {"step_s": statistics.median(times[warmup:]), "steps": len(times)}
     engine = getattr(trainer.strategy, "compression_engine", None)
@@ -231,6 +240,9 @@ def worker(mode: str, method: str, model: str, steps: int, warmup: int, seed: in
     if engine is not None and marks.get("sent") is not None:
         result["counted_bytes_per_step"] = (engine.sent_bytes - marks["sent"]) / timed
         result["counted_dense_bytes_per_step"] = (engine.dense_bytes - marks["dense"]) / timed
+        result["hierarchical"] = engine.nodes is not None
+        if engine.nodes is not None:
+            result["counted_intra_node_bytes_per_step"] = (engine.intra_bytes - marks["intra"]) / timed
     if engine is not None:
         result["run_sent_bytes"], result["run_dense_bytes"] = engine.sent_bytes, engine.dense_bytes
         phase = getattr(trainer.optimizers[0], "warmup_steps", None)  # OneBitAdam: where the compressed phase starts
@@ -244,7 +256,7 @@ def worker(mode: str, method: str, model: str, steps: int, warmup: int, seed: in
         result["auto_choice"] = repr(auto.choice)
         result["auto_chosen"] = auto.chosen
         result["auto_step_s"] = auto.step_seconds
-    if mode == "quality":
+    if mode in ("quality", "nodes_quality"):
         if model == "gpt":
             metrics = trainer.validate(module, datamodule=data, verbose=False)
             result["val_loss"] = metrics[0]["val_loss"]
@@ -268,6 +280,76 @@ def _analytic_ratio(module: Any, compressor: Any) -> float:
         dense += full
         sent += compressor.sent_bytes(p.shape, 4, 2) if compressor.compressible(p.shape) else full
     return dense / sent
+
+
+def nodes_main(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
+    """Two namespaces ("nodes") of two ranks each on the shaped link: bytes that cross the link per step (the veth's
+    tx counter in namespace A: what node 0 sent to node 1) and step time, for dense fp32 DDP, our compressors in one
+    flat exchange over the 4 ranks (``hierarchical=False``) and hierarchical (dense within the node, compressed
+    across, each parameter sent by one rank of its node). One round, the GPT of the link runs."""
+    why_not = link_available()
+    if why_not is not None:
+        print(f"nodes benchmark skipped: {why_not}")
+        return {}
+    rate = (args.links or ["100mbit"])[0]
+    methods = args.methods or ["fp32", "powersgd_flat", "powersgd", "onebit_flat", "onebit", "fp16"]
+    if "fp32" not in methods:
+        methods = ["fp32", *methods]
+    total, warm = (4, 2) if args.quick else (5, 2)
+    extra = ["--quick"] if args.quick else []
+    measured: dict[str, Any] = {}
+    port = 29711
+    try:
+        link_up(rate)
+        for method in methods:
+            port += 1
+            cmd = ["--worker", "nodes", "--method", method, "--model", "gpt", "--steps", str(total),
+                   "--warmup", str(warm), *extra]  # fmt: skip
+            r = run_on_link(cmd, port, per_node=2)
+            measured[method] = r
+            print(f"{rate} 2x2 {method}: {r['step_s']:.3f} s/step, {r.get('wire_bytes_per_step', 0) / 1e6:.2f} MB "
+                  "across the link per step", flush=True)  # fmt: skip
+    finally:
+        link_down()
+    # Quality at 2 x 2 ranks over loopback (it does not depend on the link): the CNN's test accuracy after the
+    # quality runs' budget, dense against the flat and the hierarchical compressed exchange.
+    quality: dict[str, Any] = {}
+    quality_methods = [m for m in ("fp32", "powersgd_flat", "powersgd") if m in methods]
+    total_q = 20 if args.quick else 150
+    for method in quality_methods if args.nodes_seeds > 0 else []:
+        values = []
+        for seed in range(args.nodes_seeds):
+            port += 1
+            cmd = ["--worker", "nodes_quality", "--method", method, "--model", "cnn", "--steps", str(total_q),
+                   "--warmup", "2", "--seed", str(seed), *extra]  # fmt: skip
+            values.append(run_on_link(cmd, port, per_node=2, loopback=True)["test_acc"])
+        quality[method] = {"values": values, "mean": statistics.fmean(values)}
+        print(f"quality cnn 2x2 {method}: {values}", flush=True)
+    for q in quality.values():
+        q["acc_points_vs_fp32"] = 100 * (q["mean"] - quality["fp32"]["mean"])
+    dense_wire, dense_step = measured["fp32"]["wire_bytes_per_step"], measured["fp32"]["step_s"]
+    rows = []
+    for method, r in measured.items():
+        r["wire_ratio_vs_fp32"] = ratio(dense_wire, r["wire_bytes_per_step"])
+        r["speedup_vs_fp32"] = ratio(dense_step, r["step_s"])
+        rows.append({"method": method, "hierarchical": r.get("hierarchical", False), "step s": r["step_s"],
+                     "vs fp32 step": r["speedup_vs_fp32"], "MB across link": r["wire_bytes_per_step"] / 1e6,
+                     "fewer bytes than fp32": r["wire_ratio_vs_fp32"],
+                     "MB within node (counted)": r.get("counted_intra_node_bytes_per_step", 0.0) / 1e6})  # fmt: skip
+    print(f"\nTwo nodes x two ranks on a {rate} link (GPT, medians over {total - warm} timed steps, one round)")
+    table = print_table(rows, list(rows[0]))
+    best = max((m for m in measured if m != "fp32"), key=lambda m: measured[m]["wire_ratio_vs_fp32"])
+    headline = (f"2 nodes x 2 ranks at {rate}: {best} {measured[best]['wire_ratio_vs_fp32']:.1f}x fewer bytes across "
+                f"the link than dense fp32, step {measured[best]['speedup_vs_fp32']:.2f}x")  # fmt: skip
+    payload = {"config": {"quick": args.quick, "link": rate, "steps": [total, warm], "ranks_per_node": 2,
+                          "nodes": 2, "method_labels": {m: METHODS.get(m, m) for m in methods}},
+               "machine": machine_info(),
+               "figures": {"methods": measured, "table": table, "quality": {"model": "cnn", "steps": total_q,
+                                                                          "methods": quality}}}  # fmt: skip
+    path = write_results("compression_nodes", payload, headline, args.results_dir,
+                         command=command_line("benchmarks.compression", argv))  # fmt: skip
+    print(f"wrote {path}")
+    return payload["figures"]
 
 
 # -- the link: two namespaces, a veth pair, tc tbf on both ends --
@@ -309,8 +391,12 @@ def link_down() -> None:
     subprocess.run(["ip", "link", "del", IFACES[0]], capture_output=True)
 
 
-def run_on_link(args: list[str], port: int, timeout: float = 1800) -> dict[str, Any]:
-    """Rank 0 in namespace A, rank 1 in B, each a process of its own ("node"); returns rank 0's JSON."""
+def run_on_link(
+    args: list[str], port: int, timeout: float = 1800, per_node: int = 1, loopback: bool = False
+) -> dict[str, Any]:
+    """Node 0 in namespace A, node 1 in B; each node one process (``per_node=1``), or a launch whose other ranks
+    Lightning starts in the same namespace. ``loopback``: the two nodes on this host's loopback instead (no
+    namespaces: for quality runs, which do not depend on the link). Returns global rank 0's JSON."""
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -319,7 +405,14 @@ def run_on_link(args: list[str], port: int, timeout: float = 1800) -> dict[str, 
         for rank, (ns, iface) in enumerate(zip(NS, IFACES, strict=True)):
             env = {**os.environ, "MASTER_ADDR": ADDRS[0], "MASTER_PORT": str(port), "NODE_RANK": str(rank),
                    "LOCAL_RANK": "0", "WORLD_SIZE": "2", "GLOO_SOCKET_IFNAME": iface}  # fmt: skip
+            if per_node > 1:  # Lightning launches the node's other ranks (LOCAL_RANK unset: not launched yet)
+                env.pop("LOCAL_RANK")
+                env["WORLD_SIZE"] = str(2 * per_node)
             cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "benchmarks.compression", *args, "--out", str(out)]
+            if loopback:
+                env["MASTER_ADDR"] = "127.0.0.1"
+                env.pop("GLOO_SOCKET_IFNAME")
+                cmd = cmd[4:]
             procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
         logs = [p.communicate(timeout=timeout)[0] for p in procs]
         if any(p.returncode for p in procs) or not out.exists():
@@ -344,7 +437,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     parser.add_argument("--models", nargs="+", choices=("gpt", "cnn"), default=None, help="only these link models")
     parser.add_argument("--area", default="compression", help="results file name (default: compression)")
-    parser.add_argument("--worker", choices=("compute", "link", "quality"), help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--nodes",
+        action="store_true",
+        help="2 namespaces x 2 ranks: the hierarchical exchange against flat and dense (results: compression_nodes)",
+    )
+    parser.add_argument(
+        "--nodes-seeds", type=int, default=3, help="with --nodes: CNN quality seeds at 2 x 2 ranks (0: none)"
+    )
+    parser.add_argument(
+        "--worker", choices=("compute", "link", "nodes", "quality", "nodes_quality"), help=argparse.SUPPRESS
+    )
     parser.add_argument("--method", default="fp32", help=argparse.SUPPRESS)
     parser.add_argument("--model", default="gpt", help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=8, help=argparse.SUPPRESS)
@@ -355,6 +458,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.worker:
         worker(args.worker, args.method, args.model, args.steps, args.warmup, args.seed, args.quick, args.out)
         return {}
+
+    if args.nodes:
+        return nodes_main(args, argv)
 
     from lightning_bigtrain.compression import AutoCompression
 
@@ -624,6 +730,60 @@ def render_auto_block(results_dir: Path = RESULTS_DIR, name: str = "compression_
             f"| {rate} | {step['fp32']} | {step['torch_fp16']} | {step['fp16']} | {picks} | {sig(auto['step_s'])} s | "
             f"{times(best / auto['step_s'])} | {step['powersgd']} | {powersgd} | {len(auto['step_s_runs'])} |"
         )
+    return "\n".join(lines)
+
+
+def render_nodes_block(results_dir: Path = RESULTS_DIR, name: str = "compression_nodes.json") -> str:
+    """The ``compression-nodes`` figure block (docs/compression.md), from ``results/compression_nodes.json``
+    (``--nodes``): two namespaces of two ranks each on the shaped link; per method the bytes that crossed the link
+    per step (read off the veth's transmit counter), as a ratio to dense fp32 DDP's, and the step against its; then
+    the CNN's quality at 2 x 2 ranks."""
+    from benchmarks.common import load_results, measured_line, points, sig, times
+
+    results = load_results(results_dir, name)
+    config, methods = results["config"], results["figures"]["methods"]
+    steps, warm = config["steps"]
+    params = next((r["params"] for r in methods.values() if "params" in r), None)
+    lines = [measured_line(results, name, results_dir), ""]
+    lines += [
+        f'{config["nodes"]} network namespaces ("nodes") of {config["ranks_per_node"]} ranks each, joined by a veth '
+        f"pair shaped to {config['link']} with `tc tbf`; the char-GPT ({sig(params / 1e6)}M parameters), "
+        f"{steps - warm} timed steps after {warm}, one round, one CPU thread per rank (4 ranks on the 2 cores, so "
+        "the steps are compute-bound slower than the 2-rank runs above). Bytes across the link: node 0's transmit "
+        "counter per step; within the node: the strategy's count of its dense all-reduces (per rank). Hierarchical: "
+        "`CompressedDDPStrategy`'s default with several nodes of several devices; flat: `hierarchical=False`.",
+        "",
+        "| method | exchange | step s | step vs fp32 DDP | MB across the link per step | fewer bytes across than fp32 "
+        "DDP | MB within the node per step (counted) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for method, r in methods.items():
+        exchange = "dense, flat" if method == "fp32" else ("hierarchical" if r.get("hierarchical") else "flat")
+        within = r.get("counted_intra_node_bytes_per_step")
+        lines.append(
+            f"| {_label(results, method.removesuffix('_flat'))} | {exchange} | {sig(r['step_s'])} | "
+            f"{times(r['speedup_vs_fp32'])} | {sig(r['wire_bytes_per_step'] / 1e6)} | "
+            f"{times(r['wire_ratio_vs_fp32'])} | {'-' if within is None else sig(within / 1e6)} |"
+        )
+    quality = results["figures"].get("quality", {})
+    if quality.get("methods"):
+        q = quality["methods"]
+        seeds = len(q["fp32"]["values"])
+        lines += [
+            "",
+            f"Quality at 2 x 2 ranks over loopback (it does not depend on the link): the CNN's test accuracy after "
+            f"{quality['steps']} steps, mean of {seeds} seeds (min..max), against dense fp32 DDP on the same 4 ranks.",
+            "",
+            "| method | exchange | test accuracy | vs fp32 DDP |",
+            "|---|---|---|---|",
+        ]
+        for method, v in q.items():
+            exchange = "dense, flat" if method == "fp32" else ("flat" if method.endswith("_flat") else "hierarchical")
+            spread = f"{100 * min(v['values']):.2f}..{100 * max(v['values']):.2f}%"
+            lines.append(
+                f"| {_label(results, method.removesuffix('_flat'))} | {exchange} | {100 * v['mean']:.2f}% ({spread}) | "
+                f"{'-' if method == 'fp32' else points(v['acc_points_vs_fp32'])} |"
+            )
     return "\n".join(lines)
 
 

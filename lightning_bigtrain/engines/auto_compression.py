@@ -179,8 +179,8 @@ class AutoCompression(Compressor):
     def _decide(self, engine: GradientCompression, device: torch.device) -> None:
         medians = torch.tensor([statistics.median(t) if t else float("inf") for t in self.times], device=device,
                                dtype=torch.float64)  # fmt: skip
-        if engine.world > 1:
-            dist.all_reduce(medians, op=dist.ReduceOp.MAX, group=engine.group)  # the slowest rank sets the pace
+        if engine.global_world > 1:  # over every rank: a node's ranks must agree too (hierarchical exchange)
+            dist.all_reduce(medians, op=dist.ReduceOp.MAX, group=engine.global_group)  # the slowest rank sets the pace
         self.step_seconds = medians.tolist()
         dense = self.step_seconds[0]
         best = min(range(1, len(self.candidates)), key=lambda i: self.step_seconds[i])  # type: ignore[index]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,7 +24,35 @@ from lightning_bigtrain.functional.compression import (
 )
 from lightning_bigtrain.functional.rng import fold_seed
 
-__all__ = ["GradientCompression"]
+__all__ = ["GradientCompression", "NodeGroups"]
+
+
+@dataclass(frozen=True)
+class NodeGroups:
+    """The process groups of a hierarchical exchange over ``num_nodes`` nodes of ``local_world`` ranks each (global
+    rank ``node * local_world + local_rank``, Lightning's layout): ``intra``, this node's ranks; ``inter``, the ranks
+    with this rank's local rank on every node (one per node)."""
+
+    intra: Any
+    inter: Any
+    local_rank: int
+    local_world: int
+    node: int
+    num_nodes: int
+
+    @classmethod
+    def build(cls, local_world: int, num_nodes: int) -> NodeGroups:
+        """Create the groups (a collective: every rank calls it, in the same order)."""
+        world = dist.get_world_size()
+        if local_world * num_nodes != world:
+            raise ValueError(
+                f"NodeGroups.build: {num_nodes} nodes x {local_world} ranks is not the world size {world}."
+            )
+        node, local_rank = divmod(dist.get_rank(), local_world)
+        # Every rank creates every group (new_group is collective over the default group), keeping its own.
+        intra = [dist.new_group(list(range(n * local_world, (n + 1) * local_world))) for n in range(num_nodes)]
+        inter = [dist.new_group([n * local_world + j for n in range(num_nodes)]) for j in range(local_world)]
+        return cls(intra[node], inter[local_rank], local_rank, local_world, node, num_nodes)
 
 
 class GradientCompression:
@@ -45,24 +74,46 @@ class GradientCompression:
             error-feedback buffers are updated in place (one fp32 copy of the gradients per rank, not the two of the
             all-reduce path's staged commit); after a step whose averages were not finite on some rank they restart
             from zero on every rank.
+        nodes: A hierarchical exchange (:meth:`exchange_now`): dense within each node, compressed across nodes.
+            Each parameter has one owner among a node's ranks (:attr:`owners`, balanced by size); only the owner
+            compresses and sends it across nodes (to its peers with the same local rank), so the bytes crossing the
+            inter-node link per step are one compressed copy of the gradients per node. The compressor's transport
+            (:meth:`allreduce`, :meth:`allgather`, :attr:`world`, :attr:`rank`) is then the inter-node group.
     """
 
     def __init__(
-        self, compressor: Compressor, module: nn.Module, group: Any = None, seed: int = 0, *, sharded: bool = False
+        self,
+        compressor: Compressor,
+        module: nn.Module,
+        group: Any = None,
+        seed: int = 0,
+        *,
+        sharded: bool = False,
+        nodes: NodeGroups | None = None,
     ) -> None:
+        if nodes is not None and (sharded or group is not None):
+            raise ValueError("GradientCompression: a hierarchical exchange (nodes=...) is the all-reduce path over "
+                             "the default group; it takes neither sharded=True nor a group.")  # fmt: skip
         self.compressor = compressor
         compressor.reset()  # a compressor object reused by a second run starts afresh (a checkpoint restores it)
-        self.group = group
-        self.world = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
+        self.nodes = nodes
+        # What every rank takes part in (the trials of AutoCompression agree over it; checkpoints count it).
+        self.global_group = group
+        self.global_world = dist.get_world_size(group)
+        self.group = group if nodes is None else nodes.inter
+        self.world = dist.get_world_size(self.group)
+        self.rank = dist.get_rank(self.group)
         self.seed = seed
         self.sharded = sharded
         self.step = 0
-        self.sent_bytes = 0.0  # cumulative, ring-equivalent, per rank
-        self.dense_bytes = 0.0  # what an fp32 all-reduce of the same gradients would have sent
+        self.sent_bytes = 0.0  # cumulative, ring-equivalent, per rank (hierarchical: across nodes)
+        self.dense_bytes = 0.0  # what an fp32 all-reduce of the same gradients would have sent (over all ranks)
+        self.intra_bytes = 0.0  # hierarchical: the dense all-reduces within the node
         self._names: dict[int, tuple[str, int]] = {}
         for index, (name, p) in enumerate(module.named_parameters()):
             self._names.setdefault(id(p), (name, index))
+        #: Hierarchical: the local rank that sends each parameter's gradient across nodes (by name).
+        self.owners: dict[str, int] = {} if nodes is None else _owners(module, nodes.local_world)
         self.errors: dict[str, torch.Tensor] = {}
         self.factors: dict[str, torch.Tensor] = {}
         # Other per-rank tensors an optimizer keeps here so that they are checkpointed per rank (as `errors` are).
@@ -196,21 +247,59 @@ class GradientCompression:
         return out
 
     def exchange_now(self, segments: list[_Segment]) -> None:
-        """Average the segments' gradients over the ranks, in place (blocking)."""
+        """Average the segments' gradients over the ranks, in place (blocking).
+
+        Hierarchical (``nodes``): a dense all-reduce within the node makes the node's mean; each rank sends the
+        segments it owns across nodes through the compressor (error feedback on the node's mean); a second dense
+        all-reduce within the node, of the owned averages (zeros elsewhere), gives every rank the whole average."""
+        for s in segments:
+            self.dense_bytes += allreduce_bytes(s.view.numel() * 4, self.global_world)
+        with torch.no_grad():
+            nodes = self.nodes
+            if nodes is None:
+                self._across(segments)
+            else:
+                self._within_node(segments, 1.0 / nodes.local_world)
+                mine = [s for s in segments if self._owner(s) == nodes.local_rank]
+                if mine:  # the same set on every node (owners follow names), so peers call the same collectives
+                    self._across(mine)
+                owned = {id(s) for s in mine}
+                for s in segments:
+                    if id(s) not in owned:
+                        s.view.zero_()
+                self._within_node(segments, None)
+            finite = _finite(torch.stack([s.view.sum(dtype=torch.float32) for s in segments]))
+            self._finite = finite if self._finite is None else self._finite & finite
+
+    def _across(self, segments: list[_Segment]) -> None:
+        """The compressor's exchange over :attr:`group` (dense during its warm-up and for what it leaves dense)."""
         c = self.compressor
         warm = self.step < c.warmup_steps
         compressed = [] if warm else [s for s in segments if c.compressible(s.shape)]
         chosen = {id(s) for s in compressed}
         dense = [s for s in segments if id(s) not in chosen]
+        if compressed:
+            c.exchange(self, compressed, dense)
+        else:
+            self.allreduce_mean(dense)
+
+    def _within_node(self, segments: list[_Segment], scale: float | None) -> None:
+        """Sum the segments over this node's ranks in one dense all-reduce (in their dtype), times ``scale``."""
+        assert self.nodes is not None
+        flat = torch.cat([s.view for s in segments])
+        dist.all_reduce(flat, group=self.nodes.intra)
+        self.intra_bytes += allreduce_bytes(flat.numel() * flat.element_size(), self.nodes.local_world)
+        if scale is not None:
+            flat.mul_(scale)
+        offset = 0
         for s in segments:
-            self.dense_bytes += allreduce_bytes(s.view.numel() * 4, self.world)
-        with torch.no_grad():
-            if compressed:
-                c.exchange(self, compressed, dense)
-            else:
-                self.allreduce_mean(dense)
-            finite = _finite(torch.stack([s.view.sum(dtype=torch.float32) for s in segments]))
-            self._finite = finite if self._finite is None else self._finite & finite
+            s.view.copy_(flat[offset : offset + s.view.numel()])
+            offset += s.view.numel()
+
+    def _owner(self, segment: _Segment) -> int:
+        assert self.nodes is not None
+        owner = self.owners.get(segment.name)
+        return owner if owner is not None else abs(segment.index) % self.nodes.local_world
 
     def exchange(self, buffer: torch.Tensor, segments: list[_Segment]) -> torch.futures.Future[torch.Tensor]:
         """Start averaging a bucket on the exchange thread; the future's value is ``buffer``, averaged."""
@@ -364,6 +453,8 @@ class GradientCompression:
             "step": self.step,
             "sent_bytes": self.sent_bytes,
             "dense_bytes": self.dense_bytes,
+            "intra_bytes": self.intra_bytes,
+            "layout": None if self.nodes is None else [self.nodes.num_nodes, self.nodes.local_world],
             "errors": {k: v.detach().cpu().clone() for k, v in self.errors.items()},
             "factors": {k: v.detach().cpu().clone() for k, v in self.factors.items()},
             "rank_state": {k: v.detach().cpu().clone() for k, v in self.rank_state.items()},
@@ -375,8 +466,22 @@ class GradientCompression:
         self.step = int(state["step"])
         self.sent_bytes = float(state.get("sent_bytes", 0.0))
         self.dense_bytes = float(state.get("dense_bytes", 0.0))
+        self.intra_bytes = float(state.get("intra_bytes", 0.0))
         self.errors = dict(state["errors"]) if errors else {}
         self.factors = dict(state["factors"])
         self.rank_state = dict(state.get("rank_state", {})) if errors else {}
         if "compressor_state" in state:
             self.compressor.load_state_dict(state["compressor_state"])
+
+
+def _owners(module: nn.Module, local_world: int) -> dict[str, int]:
+    """Each parameter's owner among a node's ``local_world`` ranks: the largest first, each to the least loaded
+    rank (ties to the lowest), so every rank of every node computes the same map and the loads are balanced."""
+    load = [0] * local_world
+    owners: dict[str, int] = {}
+    named = [(name, p.numel(), i) for i, (name, p) in enumerate(module.named_parameters())]
+    for name, numel, _ in sorted(named, key=lambda x: (-x[1], x[2])):
+        j = min(range(local_world), key=lambda r: (load[r], r))
+        owners[name] = j
+        load[j] += numel
+    return owners

@@ -998,12 +998,20 @@ def _plan(model_or_num_params: nn.Module | int, cluster: Cluster, workload: Work
                 p_dev, g_dev, s_dev, transient, sent, seconds = flat_row(stage, False)
                 base_row = PlanRow(base, p_dev, g_dev, s_dev, activations, transient + backward_extra, 0.0,
                                    sent, seconds, 0.0, fits=False)  # fmt: skip
+            # CompressedDDPStrategy over several nodes of several devices exchanges hierarchically (its default).
+            hierarchy = (devices, num_nodes, intra) if base == "ddp" and devices > 1 and num_nodes > 1 else None
             row = _compressed_row(name, base_row, cname, shapes, psi_train, base_g_bytes, n, beta, latency,
-                                  ddp_buckets)  # fmt: skip
+                                  ddp_buckets, hierarchy)  # fmt: skip
             fits = row.peak_bytes <= memory
             compressed[name] = PlanRow(**{**row.__dict__, "fits": fits})
         if shapes is None:
             notes.append("PowerSGD rows need a model (its factors depend on the weight shapes)")
+        if devices > 1 and num_nodes > 1:
+            notes.append(
+                "the ddp_<compressor> rows are hierarchical (CompressedDDPStrategy's default over several nodes): "
+                "two dense all-reduces within the node, the compressed exchange across nodes split among the node's "
+                "devices; their bytes are both"
+            )
     # A pipeline row's bubble costs compute time, which the planner does not model: it is recommended only when
     # nothing else fits.
     fitting = [r for r in rows.values() if r.fits and not r.bubble_fraction] or [r for r in rows.values() if r.fits]
@@ -1044,13 +1052,32 @@ def _compressed_row(
     beta: float,
     latency: float,
     buckets: int,
+    hierarchy: tuple[int, int, float] | None = None,
 ) -> PlanRow:
-    """``base`` with its gradient exchange replaced by compressor ``cname`` (see the module docstring)."""
+    """``base`` with its gradient exchange replaced by compressor ``cname`` (see the module docstring).
+
+    ``hierarchy`` (``(devices, num_nodes, intra-node bandwidth)``, DDP rows only): CompressedDDPStrategy's
+    hierarchical exchange: the node's mean by a dense all-reduce within the node, the compressed exchange among the
+    ``num_nodes`` ranks of each local rank, each device sending its share (``1 / devices``) of the parameters, and a
+    second dense all-reduce within the node; error feedback is kept by each parameter's owner only."""
     from lightning_bigtrain.functional.compression import Cast, PowerSGD, allreduce_bytes, reducescatter_bytes
 
     compressor = COMPRESSION_NAMES[cname]()
     ring = (n - 1) / n
     stage = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3}[base.strategy]
+    if hierarchy is not None:
+        if stage != 0:
+            raise ValueError("_compressed_row: the hierarchical exchange is CompressedDDPStrategy's (ddp rows)")
+        local, nodes, intra = hierarchy
+        flat = _compressed_row(name, base, cname, shapes, psi_train, g_bytes, nodes, beta, latency, buckets)
+        across = flat.comm_bytes_per_step / local
+        within = 2 * allreduce_bytes(psi_train * g_bytes, local)
+        waits = flat.comm_seconds_per_step - flat.comm_bytes_per_step / beta  # its latency terms, per bucket
+        seconds = waits + across / beta + within / intra + buckets * 2 * 2 * (local - 1) * latency
+        state = (flat.grads_bytes - base.grads_bytes) / local
+        return PlanRow(name, base.params_bytes, base.grads_bytes + state, base.optimizer_bytes, base.activation_bytes,
+                       base.transient_bytes, base.host_bytes, across + within, seconds,
+                       base.offload_seconds_per_step, fits=False)  # fmt: skip
     if stage >= 2 and isinstance(compressor, Cast):
         # A low-precision reduce-scatter: the gradient half of the base row's traffic is halved.
         # Stage 2 (flat buckets): the reduce-scatter is half the traffic; stage 3: the gradients' share.

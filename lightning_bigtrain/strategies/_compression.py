@@ -75,6 +75,10 @@ def compression_applies(
     return True
 
 
+def _layout(layout: list[int] | None) -> str:
+    return "a flat exchange" if layout is None else f"a hierarchical exchange ({layout[0]} nodes x {layout[1]} ranks)"
+
+
 class CompressionSupport:
     """Holds a strategy's :class:`GradientCompression` engine; saves, restores and logs it."""
 
@@ -82,7 +86,7 @@ class CompressionSupport:
         self.compressor = compressor
         self.engine: GradientCompression | None = None
         self._pending: dict[str, Any] | None = None
-        self._logged = (0.0, 0.0)
+        self._logged = (0.0, 0.0, 0.0)
 
     def attach(self, engine: GradientCompression, global_rank: int) -> None:
         self.engine = engine
@@ -117,10 +121,20 @@ class CompressionSupport:
                 BigtrainWarning,
             )
             return
-        if state["world_size"] != self.engine.world:
+        if state["world_size"] != self.engine.global_world:
             warn_once(
-                f"The checkpoint was written by {state['world_size']} ranks, this run has {self.engine.world}: "
+                f"The checkpoint was written by {state['world_size']} ranks, this run has {self.engine.global_world}: "
                 "per-rank error-feedback buffers are dropped (the run continues, not on the same trajectory).",
+                BigtrainWarning,
+            )
+            self.engine.load_state_dict(saved, errors=False)
+            return
+        layout = None if self.engine.nodes is None else [self.engine.nodes.num_nodes, self.engine.nodes.local_world]
+        if saved.get("layout") != layout:
+            warn_once(
+                f"The checkpoint's gradient compression state was written by {_layout(saved.get('layout'))}, this "
+                f"run uses {_layout(layout)}: error-feedback buffers are dropped (they hold different residuals), "
+                "factors and counters are kept.",
                 BigtrainWarning,
             )
             self.engine.load_state_dict(saved, errors=False)
@@ -142,12 +156,15 @@ class CompressionSupport:
         every = log_interval(trainer)
         sent = (engine.sent_bytes - self._logged[0]) / every
         dense = (engine.dense_bytes - self._logged[1]) / every
-        self._logged = (engine.sent_bytes, engine.dense_bytes)
+        intra = (engine.intra_bytes - self._logged[2]) / every
+        self._logged = (engine.sent_bytes, engine.dense_bytes, engine.intra_bytes)
         metrics = {
             "compression/sent_bytes_per_step": sent,
             "compression/dense_bytes_per_step": dense,
             "compression/ratio": dense / sent if sent else float("nan"),
         }
+        if engine.nodes is not None:  # sent_bytes are then the bytes across nodes
+            metrics["compression/intra_node_bytes_per_step"] = intra
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
 

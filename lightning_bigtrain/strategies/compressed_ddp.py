@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_bigtrain.engines.auto_compression import AutoCompression
-from lightning_bigtrain.engines.compression import GradientCompression
+from lightning_bigtrain.engines.compression import GradientCompression, NodeGroups
 from lightning_bigtrain.engines.onebit_adam import CompressedMomentumAdam, OneBitAdam, phase_hook
 from lightning_bigtrain.functional.compression import COMPRESSION_NAMES, Compressor, Quantize
 from lightning_bigtrain.strategies._compression import (
@@ -27,6 +27,7 @@ from lightning_bigtrain.strategies._compression import (
     resolve_compression,
 )
 from lightning_bigtrain.strategies._fault import FaultTolerantStrategyMixin
+from lightning_bigtrain.warnings import NoEffectWarning, warn_once
 
 if TYPE_CHECKING:
     from lightning_bigtrain._compat import _StrategyRegistry
@@ -89,6 +90,14 @@ class CompressedDDPStrategy(FaultTolerantStrategyMixin, DDPStrategy):
             ``Cast("fp16")``, ...) or one of the names ``"powersgd"``, ``"topk"``, ``"onebit"``,
             ``"int8"``, ``"int4"``, ``"fp16"``, ``"bf16"``; ``"auto"`` / ``AutoCompression(...)`` (the exchange
             picked by timing the first steps); or ``OneBitAdam(...)`` (compressed momentum).
+        hierarchical: With ``num_nodes > 1`` and several devices per node: average densely within each node, then
+            compress only across nodes, each parameter sent by one rank of its node
+            (:class:`~lightning_bigtrain.engines.compression.NodeGroups`), so one compressed copy of the gradients
+            per node crosses the inter-node link instead of one per rank, and the compressor's error acts on the
+            node's mean. ``None`` (default): hierarchical wherever it applies (several nodes of several devices,
+            and a gradient compressor; ``OneBitAdam`` exchanges its momentum flat). ``False``: every rank in one
+            flat compressed exchange. Then ``compression/sent_bytes_per_step`` counts the bytes across nodes and
+            ``compression/intra_node_bytes_per_step`` the dense ones within the node.
         **kwargs: Passed to Lightning's ``DDPStrategy`` (``start_method``, ``process_group_backend``,
             ``find_unused_parameters``, ...), except its comm-hook arguments, which this strategy owns.
     """
@@ -96,8 +105,23 @@ class CompressedDDPStrategy(FaultTolerantStrategyMixin, DDPStrategy):
     strategy_name = "bigtrain_ddp_compressed"
 
     def __init__(
-        self, compression: Compressor | AutoCompression | OneBitAdam | str = "powersgd", **kwargs: Any
+        self,
+        compression: Compressor | AutoCompression | OneBitAdam | str = "powersgd",
+        hierarchical: bool | None = None,
+        **kwargs: Any,
     ) -> None:
+        if hierarchical is not None and not isinstance(hierarchical, bool):
+            raise TypeError(
+                f"`CompressedDDPStrategy(hierarchical={hierarchical!r})`: pass True, False or None (hierarchical "
+                "wherever it applies)."
+            )
+        if hierarchical and (compression == "onebit_adam" or isinstance(compression, OneBitAdam)):
+            raise ValueError(
+                "`CompressedDDPStrategy(compression=OneBitAdam(...), hierarchical=True)` is not supported: 1-bit "
+                "Adam keeps per-rank optimizer state (local momentum, tracked scales) exchanged over all ranks at "
+                "once. Leave `hierarchical` at None (flat for OneBitAdam), or compress gradients instead, e.g. "
+                "compression='powersgd'."
+            )
         given = [k for k in _OWN_HOOK_ARGS if kwargs.get(k) is not None]
         if given:
             raise ValueError(
@@ -116,6 +140,7 @@ class CompressedDDPStrategy(FaultTolerantStrategyMixin, DDPStrategy):
                 '`CompressedDDPStrategy(compression=None)`: pass a compressor; for dense gradients use strategy="ddp".'
             )
         super().__init__(**kwargs)
+        self.hierarchical = hierarchical
         self.compression = compressor
         self._support = CompressionSupport(compressor)
         self._init_fault_tolerance()
@@ -164,12 +189,27 @@ class CompressedDDPStrategy(FaultTolerantStrategyMixin, DDPStrategy):
         if not compression_applies(self.compression, self.model.module, self.world_size, "CompressedDDPStrategy",
                                    shown=shown):  # fmt: skip
             return  # dense DDP, with the reason warned
-        engine = GradientCompression(self.compression, self.model.module)
+        engine = GradientCompression(self.compression, self.model.module, nodes=self._node_groups())
         if self.momentum is not None:
             self.model.register_comm_hook(self._optimizer_ref, phase_hook)
         else:
             self.model.register_comm_hook(engine, _compressed_hook)
         self._support.attach(engine, self.global_rank)
+
+    def _node_groups(self) -> NodeGroups | None:
+        """The hierarchical exchange's groups where it applies (``hierarchical``), else None (flat)."""
+        if self.hierarchical is False or self.momentum is not None:
+            return None
+        if self.num_nodes < 2 or self.num_processes < 2:
+            if self.hierarchical:
+                warn_once(
+                    f"`CompressedDDPStrategy(hierarchical=True)` has no effect with num_nodes={self.num_nodes} and "
+                    f"devices={self.num_processes}: a hierarchical exchange needs several nodes of several devices "
+                    "each. The exchange is flat.",
+                    NoEffectWarning,
+                )
+            return None
+        return NodeGroups.build(self.num_processes, self.num_nodes)
 
     @override
     def setup(self, trainer: L.Trainer) -> None:

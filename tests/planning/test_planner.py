@@ -187,6 +187,26 @@ def test_compressed_rows_follow_each_compressors_byte_formula():
     assert any("with gradient compression" in note for note in result.notes)
 
 
+def test_compressed_rows_over_several_nodes_of_several_devices_are_hierarchical():
+    from lightning_bigtrain.functional.compression import allreduce_bytes
+
+    model = CharGPT(block_size=64, n_layer=2, n_head=2, n_embd=64)
+    psi = sum(p.numel() for p in model.parameters())
+    kwargs: dict = dict(num_nodes=2, inter_node_bandwidth="100Mbps", batch_shape=(8, 64))
+    nodes = plan(model, devices=4, **kwargs)
+    flat = plan(model, devices=1, **kwargs)  # one rank per node: the exchange a node's ranks share out
+    for name in ("ddp_onebit", "ddp_topk", "ddp_powersgd"):
+        # Each of a node's 4 devices sends a quarter of one node's compressed message across nodes, plus two dense
+        # fp32 all-reduces within the node.
+        within = 2 * allreduce_bytes(psi * 4, 4)
+        assert nodes[name].comm_bytes_per_step == pytest.approx(flat[name].comm_bytes_per_step / 4 + within)
+        assert nodes[name].comm_seconds_per_step < nodes["ddp"].comm_seconds_per_step / 4
+    # Error feedback is kept by each parameter's owner only: a quarter of the flat exchange's two buffers.
+    assert nodes["ddp_topk"].grads_bytes - nodes["ddp"].grads_bytes == pytest.approx(8 * psi / 4)
+    assert any("hierarchical" in note for note in nodes.notes)
+    assert not any("hierarchical" in note for note in flat.notes)
+
+
 def test_cluster_and_workload_give_the_plan_the_keywords_give():
     model = CharGPT(block_size=32, n_layer=2, n_head=2, n_embd=32)
     cluster = Cluster(devices=4, num_nodes=2, device_memory="24GB", inter_node_bandwidth="25Gbps")
