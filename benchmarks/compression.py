@@ -760,10 +760,11 @@ def render_nodes_block(results_dir: Path = RESULTS_DIR, name: str = "compression
     for method, r in methods.items():
         exchange = "dense, flat" if method == "fp32" else ("hierarchical" if r.get("hierarchical") else "flat")
         within = r.get("counted_intra_node_bytes_per_step")
+        peer = method == "fp32"  # the reference: its own ratios are 1 by definition
         lines.append(
             f"| {_label(results, method.removesuffix('_flat'))} | {exchange} | {sig(r['step_s'])} | "
-            f"{times(r['speedup_vs_fp32'])} | {sig(r['wire_bytes_per_step'] / 1e6)} | "
-            f"{times(r['wire_ratio_vs_fp32'])} | {'-' if within is None else sig(within / 1e6)} |"
+            f"{'-' if peer else times(r['speedup_vs_fp32'])} | {sig(r['wire_bytes_per_step'] / 1e6)} | "
+            f"{'-' if peer else times(r['wire_ratio_vs_fp32'])} | {'-' if within is None else sig(within / 1e6)} |"
         )
     quality = results["figures"].get("quality", {})
     if quality.get("methods"):
