@@ -18,6 +18,7 @@ from lightning_bigtrain.data import ShakespeareDataModule
 from lightning_bigtrain.engines.compression import GradientCompression, NodeGroups
 from lightning_bigtrain.functional.compression import Cast, OneBit, PowerSGD, TopK
 from lightning_bigtrain.models import CharGPT
+from lightning_bigtrain.planning import plan
 from lightning_bigtrain.strategies import CompressedDDPStrategy
 from lightning_bigtrain.warnings import NoEffectWarning
 from tests.functional.test_compression import SHAPES, _grads, _Params
@@ -131,7 +132,7 @@ def _fit(rank: int, root: str, hierarchical: bool | None, stop_at: int | None, r
     logger = _MetricsLogger()
     checkpoint = L.pytorch.callbacks.ModelCheckpoint(dirpath=root, save_top_k=-1, every_n_train_steps=3)
     trainer = L.Trainer(accelerator="cpu", devices=2, num_nodes=2, max_steps=6,
-                        strategy=CompressedDDPStrategy(PowerSGD(rank=2), hierarchical=hierarchical),
+                        strategy=CompressedDDPStrategy(PowerSGD(rank=4), hierarchical=hierarchical),
                         limit_val_batches=0, logger=logger, log_every_n_steps=1, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=[checkpoint, _StopAt(stop_at)],
                         default_root_dir=root)  # fmt: skip
@@ -163,6 +164,12 @@ def test_two_nodes_train_identical_replicas_log_both_byte_counts_and_resume_exac
     # instead of 4 ranks): per node less than either flat rank.
     assert full[0]["sent"] + full[1]["sent"] < flat[0]["sent"]
     assert not torch.equal(full[0]["params"], flat[0]["params"])  # a different exchange, not a no-op
+    # The planner's ddp_powersgd row over 2 nodes x 2 devices: a device's bytes per step, across and within nodes
+    # (the owners' shares differ by rank: compared as the mean over the 4 ranks).
+    model = CharGPT(block_size=16, n_layer=1, n_head=2, n_embd=32)
+    row = plan(model, devices=2, num_nodes=2, batch_shape=(4, 16))["ddp_powersgd"]
+    measured = sum(r["sent"] + r["intra"] for r in full) / 4 / 6
+    assert measured == pytest.approx(row.comm_bytes_per_step, rel=0.02)
 
     root = tmp_path / "b"
     run_on_ranks(_fit, str(root), None, 3, None, world_size=4, init_process_group=False)
