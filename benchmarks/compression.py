@@ -79,11 +79,18 @@ METHODS: dict[str, str] = {
 
 
 def _compressor(method: str) -> Any:
+    """The compressor of ``method``: a name of :data:`METHODS`, or for a worker run by hand ``powersgd<r>`` (another
+    rank) and ``<method>_w<steps>`` (that many dense steps first), e.g. ``powersgd16_w15``."""
     from lightning_bigtrain.compression import Cast, OneBit, PowerSGD, Quantize, TopK
 
     ef = False if method.endswith("_noef") else None
     warm = 10 if method.endswith("_warm") else 0
+    if "_w" in method and method.rsplit("_w", 1)[1].isdigit():  # <method>_w<steps>: that many dense steps first
+        method, steps = method.rsplit("_w", 1)
+        warm = int(steps)
     base = method.removesuffix("_flat").removesuffix("_noef").removesuffix("_warm")
+    if base.startswith("powersgd") and base != "powersgd":  # powersgd<r>: another rank
+        return PowerSGD(rank=int(base.removeprefix("powersgd")), error_feedback=ef, warmup_steps=warm)
     return {
         "fp16": lambda: Cast("fp16"),
         "powersgd": lambda: PowerSGD(rank=4, error_feedback=ef, warmup_steps=warm),

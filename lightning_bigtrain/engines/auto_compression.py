@@ -2,8 +2,8 @@
 
 Whether a compressor pays depends on how much of the step the exchange takes, and on what compressing costs where it
 runs: on our shaped 100 Mbit/s link PowerSGD(4) made the char-GPT's step much faster than a 16-bit all-reduce, at 1
-Gbit/s it was slower on one host (its matrix products compete with backward for the cores while a dense all-reduce
-waits on the wire) and about as fast on another (``docs/compression.md``). A model of the link can miss the second
+Gbit/s it was about as fast on one host and slower on another (its matrix products compete with backward for the
+cores while a dense all-reduce waits on the wire; ``docs/compression.md``). A model of the link can miss the second
 effect, so the choice is measured: the run's first optimizer steps are trials, ``trial_steps`` with each candidate
 in turn (the dense option first), each rank timing its optimizer steps (forward, backward with the exchange
 overlapped, update). After the last trial the ranks all-reduce their median step times (the slowest rank's counts:
