@@ -345,6 +345,12 @@ BLOCKS: dict[str, Block] = {
             ("compression_auto.json",),
         ),
         Block(
+            "compression-nodes",
+            _module("benchmarks.compression", "render_nodes_block"),
+            ("docs/compression.md",),
+            ("compression_nodes.json",),
+        ),
+        Block(
             "onebit-adam",
             _module("benchmarks.onebit_adam"),
             ("docs/compression.md",),
