@@ -131,7 +131,18 @@ def _job(args: argparse.Namespace) -> int:
 
     state = _flat_state(model)
     torch.save({"state": state, "step": trainer.global_step}, Path(args.out, f"final-{args.launch}-rank{rank}.pt"))
+    _end_job()
     return 0
+
+
+def _end_job() -> None:
+    """End as torch asks a training script to (its "Shutdown" docs): destroy the process groups at the end of main,
+    while everything is alive, rather than at interpreter exit (this package's strategies and ``FaultTolerance`` also
+    register that at exit, for scripts that do not)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _data_job(args: argparse.Namespace) -> int:
@@ -178,6 +189,7 @@ def _data_job(args: argparse.Namespace) -> int:
                    KillAt()],
     )  # fmt: skip
     trainer.fit(Seen(), ckpt_path="last")
+    _end_job()
     return 0
 
 
