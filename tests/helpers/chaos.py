@@ -229,7 +229,8 @@ def launch(
         cmd += ["--sigterm", str(sigterm)]
     # A job is launched as a scheduler launches one: no rendezvous variables inherited from the test process.
     env = {k: v for k, v in os.environ.items() if k not in _RENDEZVOUS}
-    env.update(PYTHONPATH=str(_REPO), PYTHONWARNINGS="ignore")
+    # PYTHONFAULTHANDLER: a job that aborts (SIGABRT, e.g. at interpreter exit) dumps every Python thread to its log.
+    env.update(PYTHONPATH=str(_REPO), PYTHONWARNINGS="ignore", PYTHONFAULTHANDLER="1")
     with open(workdir / f"log-{launch_id}.txt", "w") as log:
         proc = subprocess.Popen(cmd, cwd=_REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
