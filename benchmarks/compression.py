@@ -68,6 +68,8 @@ METHODS: dict[str, str] = {
     "onebit_adam_q8r_every2": "ours OneBitAdam(compressor=Quantize(8), variance_refresh=2): the variance's age",
     "onebit_adam_q8r_plain": "ours OneBitAdam(compressor=Quantize(8), track_scale=False, preconditioned=False)",
     "onebit_adam_refresh4_4bit": "ours OneBitAdam(variance_refresh=4, refresh_bits=4): fresher, coarser variance",
+    "onebit_adam_q8r_every2_plain": "ours OneBitAdam(Quantize(8) momentum, variance_refresh=2, no tracked scale, "
+    "not preconditioned): the guards' own cost",
     "auto": "ours compression='auto': fp16 and PowerSGD(4) timed for 4 steps each, the faster kept (10% margin)",
     "powersgd_flat": "ours PowerSGD(rank=4), hierarchical=False: every rank in one flat exchange across nodes",
     "onebit_flat": "ours OneBit(), hierarchical=False: every rank in one flat exchange across nodes",
@@ -128,6 +130,15 @@ def _strategy(method: str) -> Any:
             return CompressedDDPStrategy(OneBitAdam(compressor=Quantize(8, error_feedback=True)))
         if method == "onebit_adam_q8r_every2":  # near-lossless momentum, the variance refreshed every 2nd step
             return CompressedDDPStrategy(OneBitAdam(compressor=Quantize(8, error_feedback=True), variance_refresh=2))
+        if method == "onebit_adam_q8r_every2_plain":  # a fresh variance and none of the guards: their own cost
+            return CompressedDDPStrategy(
+                OneBitAdam(
+                    compressor=Quantize(8, error_feedback=True),
+                    variance_refresh=2,
+                    track_scale=False,
+                    preconditioned=False,
+                )
+            )
         if method == "onebit_adam_q8r_plain":  # near-lossless momentum, neither tracked scale nor preconditioning
             return CompressedDDPStrategy(
                 OneBitAdam(compressor=Quantize(8, error_feedback=True), track_scale=False, preconditioned=False)
