@@ -68,6 +68,8 @@ METHODS: dict[str, str] = {
     "onebit_adam_q8r_every2": "ours OneBitAdam(compressor=Quantize(8), variance_refresh=2): the variance's age",
     "onebit_adam_q8r_plain": "ours OneBitAdam(compressor=Quantize(8), track_scale=False, preconditioned=False)",
     "onebit_adam_refresh4_4bit": "ours OneBitAdam(variance_refresh=4, refresh_bits=4): fresher, coarser variance",
+    "onebit_adam_refresh4_4bit_plain": "ours OneBitAdam(variance_refresh=4, refresh_bits=4, no tracked scale, not "
+    "preconditioned): 1-bit momentum, a fresher variance, no guards",
     "onebit_adam_q8r_every2_plain": "ours OneBitAdam(Quantize(8) momentum, variance_refresh=2, no tracked scale, "
     "not preconditioned): the guards' own cost",
     "auto": "ours compression='auto': fp16 and PowerSGD(4) timed for 4 steps each, the faster kept (10% margin)",
@@ -138,6 +140,10 @@ def _strategy(method: str) -> Any:
                     track_scale=False,
                     preconditioned=False,
                 )
+            )
+        if method == "onebit_adam_refresh4_4bit_plain":  # 1-bit momentum, a fresher 4-bit variance, no guards
+            return CompressedDDPStrategy(
+                OneBitAdam(variance_refresh=4, refresh_bits=4, track_scale=False, preconditioned=False)
             )
         if method == "onebit_adam_q8r_plain":  # near-lossless momentum, neither tracked scale nor preconditioning
             return CompressedDDPStrategy(
