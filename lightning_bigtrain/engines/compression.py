@@ -134,15 +134,8 @@ class GradientCompression:
         self.sent_bytes += allreduce_bytes(tensor.numel() * tensor.element_size(), self.world)
 
     def allreduce_mean(self, segments: list[_Segment]) -> None:
-        if not segments:
-            return
-        flat = torch.cat([s.view for s in segments])
-        self.allreduce(flat)
-        flat.div_(self.world)
-        offset = 0
-        for s in segments:
-            s.view.copy_(flat[offset : offset + s.view.numel()])
-            offset += s.view.numel()
+        if segments:
+            self.sent_bytes += _sum_segments(segments, self.group, self.world, self.world)
 
     def allgather(self, payload: torch.Tensor) -> torch.Tensor:
         out = torch.empty(self.world * payload.numel(), dtype=payload.dtype, device=payload.device)
@@ -259,7 +252,7 @@ class GradientCompression:
             if nodes is None:
                 self._across(segments)
             else:
-                self._within_node(segments, 1.0 / nodes.local_world)
+                self._within_node(segments, nodes.local_world)
                 mine = [s for s in segments if self._owner(s) == nodes.local_rank]
                 if mine:  # the same set on every node (owners follow names), so peers call the same collectives
                     self._across(mine)
@@ -283,18 +276,10 @@ class GradientCompression:
         else:
             self.allreduce_mean(dense)
 
-    def _within_node(self, segments: list[_Segment], scale: float | None) -> None:
-        """Sum the segments over this node's ranks in one dense all-reduce (in their dtype), times ``scale``."""
+    def _within_node(self, segments: list[_Segment], divisor: int | None) -> None:
+        """Sum the segments over this node's ranks in one dense all-reduce (in their dtype), divided by ``divisor``."""
         assert self.nodes is not None
-        flat = torch.cat([s.view for s in segments])
-        dist.all_reduce(flat, group=self.nodes.intra)
-        self.intra_bytes += allreduce_bytes(flat.numel() * flat.element_size(), self.nodes.local_world)
-        if scale is not None:
-            flat.mul_(scale)
-        offset = 0
-        for s in segments:
-            s.view.copy_(flat[offset : offset + s.view.numel()])
-            offset += s.view.numel()
+        self.intra_bytes += _sum_segments(segments, self.nodes.intra, self.nodes.local_world, divisor)
 
     def _owner(self, segment: _Segment) -> int:
         assert self.nodes is not None
@@ -472,6 +457,20 @@ class GradientCompression:
         self.rank_state = dict(state.get("rank_state", {})) if errors else {}
         if "compressor_state" in state:
             self.compressor.load_state_dict(state["compressor_state"])
+
+
+def _sum_segments(segments: list[_Segment], group: Any, world: int, divisor: int | None) -> float:
+    """All-reduce (sum) the segments over ``group`` in one flat tensor, divide by ``divisor`` (None: no division) and
+    write them back; returns the bytes one rank sent (ring-equivalent)."""
+    flat = torch.cat([s.view for s in segments])
+    dist.all_reduce(flat, group=group)
+    if divisor is not None:
+        flat.div_(divisor)
+    offset = 0
+    for s in segments:
+        s.view.copy_(flat[offset : offset + s.view.numel()])
+        offset += s.view.numel()
+    return allreduce_bytes(flat.numel() * flat.element_size(), world)
 
 
 def _owners(module: nn.Module, local_world: int) -> dict[str, int]:
