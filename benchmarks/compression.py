@@ -70,6 +70,14 @@ METHODS: dict[str, str] = {
     "onebit_adam_refresh4_4bit": "ours OneBitAdam(variance_refresh=4, refresh_bits=4): fresher, coarser variance",
     "onebit_adam_refresh4_4bit_plain": "ours OneBitAdam(variance_refresh=4, refresh_bits=4, no tracked scale, not "
     "preconditioned): 1-bit momentum, a fresher variance, no guards",
+    "onebit_adam_every2_plain": "ours OneBitAdam(variance_refresh=2, no tracked scale, not preconditioned): 1 bit's "
+    "own cost",
+    "onebit_adam_q8r_refresh4_4bit_plain": "ours OneBitAdam(Quantize(8) momentum, variance_refresh=4, refresh_bits=4, "
+    "no guards): the 4-bit variance's own cost",
+    "onebit_adam_refresh4_4bit_precond": "ours OneBitAdam(variance_refresh=4, refresh_bits=4, no tracked scale, "
+    "preconditioned): the momentum exchanged in the update's units",
+    "onebit_adam_block128_refresh4_4bit_plain": "ours OneBitAdam(OneBit(block=128) momentum, variance_refresh=4, "
+    "refresh_bits=4, no guards): a scale per 128 entries",
     "onebit_adam_q8r_every2_plain": "ours OneBitAdam(Quantize(8) momentum, variance_refresh=2, no tracked scale, "
     "not preconditioned): the guards' own cost",
     "auto": "ours compression='auto': fp16 and PowerSGD(4) timed for 4 steps each, the faster kept (10% margin)",
@@ -144,6 +152,32 @@ def _strategy(method: str) -> Any:
         if method == "onebit_adam_refresh4_4bit_plain":  # 1-bit momentum, a fresher 4-bit variance, no guards
             return CompressedDDPStrategy(
                 OneBitAdam(variance_refresh=4, refresh_bits=4, track_scale=False, preconditioned=False)
+            )
+        if method == "onebit_adam_every2_plain":  # 1-bit momentum, an 8-bit variance every 2nd step, no guards
+            return CompressedDDPStrategy(OneBitAdam(variance_refresh=2, track_scale=False, preconditioned=False))
+        if method == "onebit_adam_refresh4_4bit_precond":  # as _plain, the momentum exchanged in the update's units
+            return CompressedDDPStrategy(
+                OneBitAdam(variance_refresh=4, refresh_bits=4, track_scale=False, preconditioned=True)
+            )
+        if method == "onebit_adam_block128_refresh4_4bit_plain":  # as _plain, one scale per 128 momentum entries
+            return CompressedDDPStrategy(
+                OneBitAdam(
+                    compressor=OneBit(block=128),
+                    variance_refresh=4,
+                    refresh_bits=4,
+                    track_scale=False,
+                    preconditioned=False,
+                )
+            )
+        if method == "onebit_adam_q8r_refresh4_4bit_plain":  # 8-bit momentum, a 4-bit variance every 4th, no guards
+            return CompressedDDPStrategy(
+                OneBitAdam(
+                    compressor=Quantize(8, error_feedback=True),
+                    variance_refresh=4,
+                    refresh_bits=4,
+                    track_scale=False,
+                    preconditioned=False,
+                )
             )
         if method == "onebit_adam_q8r_plain":  # near-lossless momentum, neither tracked scale nor preconditioning
             return CompressedDDPStrategy(
