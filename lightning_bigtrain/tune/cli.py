@@ -30,11 +30,16 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--output", help="the study's folder (overrides `output:`)")
     parser.add_argument("--storage", help="an Optuna URL or a journal file path (overrides `study.storage:`)")
     parser.add_argument("--study-name", help="overrides `study.name:`")
+    parser.add_argument(
+        "--backend",
+        choices=("local", "ray"),
+        help="where the trials run (overrides `backend:`): here, one at a time, or on Ray Tune",
+    )
     parser.add_argument("--report-only", action="store_true", help="print the table of the study as it is; run nothing")
     args = parser.parse_args(argv)
     try:
         tuner = Tuner.from_yaml(args.config, trials=args.trials, output=args.output, storage=args.storage,
-                                study_name=args.study_name)  # fmt: skip
+                                study_name=args.study_name, backend=args.backend)  # fmt: skip
     except (TunerConfigError, ValueError, TypeError) as err:
         parser.error(str(err))
     if not args.report_only:

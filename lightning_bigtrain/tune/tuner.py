@@ -36,6 +36,7 @@ from typing import Any
 
 import yaml
 
+from lightning_bigtrain.tune.ray_backend import parse_backend
 from lightning_bigtrain.tune.space import SearchSpace
 from lightning_bigtrain.tune.trial import MEASURES, make_pruner, open_storage
 from lightning_bigtrain.warnings import BigtrainWarning
@@ -100,6 +101,10 @@ class Tuner:
         max_failures_in_a_row: Stop the driver (:class:`TrialsFailingError`, naming the last trial's log) when this
             many of its launched trials fail one after another: a broken base config or missing data fails every
             trial the same way. ``None``: never stop.
+        backend: Where the trials run: ``"local"`` (one at a time, in this driver's process group; more drivers on
+            one storage run more at once) or ``"ray"`` / ``{"name": "ray", "address": ..., "max_concurrent_trials":
+            ..., "resources_per_trial": ..., "num_cpus": ...}``: as Ray Tune trials, placed by Ray
+            (:mod:`lightning_bigtrain.tune.ray_backend`; the ``[ray]`` extra).
     """
 
     def __init__(
@@ -124,6 +129,7 @@ class Tuner:
         trial_timeout: float | None = None,
         checkpoint_every_n_steps: int | None = None,
         max_failures_in_a_row: int | None = 3,
+        backend: str | Mapping[str, Any] = "local",
     ) -> None:
         self.base_path = None if isinstance(base, Mapping) else Path(base)
         self.base = dict(copy.deepcopy(base)) if isinstance(base, Mapping) else _load_yaml(Path(base))
@@ -183,8 +189,21 @@ class Tuner:
                                                   or max_failures_in_a_row < 1):  # fmt: skip
             raise TunerConfigError(f"`max_failures_in_a_row={max_failures_in_a_row!r}`: an int >= 1, or null.")
         self.max_failures_in_a_row = max_failures_in_a_row
+        try:
+            self.backend, self.backend_options = parse_backend(backend)
+        except ValueError as err:
+            raise TunerConfigError(str(err)) from None
         self._failed_in_a_row = 0
         self._study: Any = None
+
+    def for_workers(self) -> Tuner:
+        """A copy to ship to another process (a Ray trial): no open study (it reopens the storage), paths absolute."""
+        clone = copy.copy(self)
+        clone._study = None
+        clone.output = self.output.resolve()
+        if "://" not in self.storage:
+            clone.storage = str(Path(self.storage).resolve())
+        return clone
 
     # -- construction from the YAML of ``bigtrain tune --config`` ------------------------------------------------
 
@@ -194,7 +213,7 @@ class Tuner:
         path = Path(path)
         raw = _load_yaml(path)
         known = {"base", "space", "objectives", "trials", "output", "study", "pruning", "planner", "overrides",
-                 "trial_timeout", "checkpoint_every_n_steps", "max_failures_in_a_row"}  # fmt: skip
+                 "trial_timeout", "checkpoint_every_n_steps", "max_failures_in_a_row", "backend"}  # fmt: skip
         unknown = sorted(set(raw) - known)
         if unknown:
             raise TunerConfigError(f"`{path}`: unknown section(s) {unknown}; a tune config takes {sorted(known)}.")
@@ -234,9 +253,15 @@ class Tuner:
             "overrides": raw.get("overrides"),
             "trial_timeout": raw.get("trial_timeout"),
             "checkpoint_every_n_steps": raw.get("checkpoint_every_n_steps"),
+            "backend": raw.get("backend", "local"),
         }
         if "max_failures_in_a_row" in raw:
             kwargs["max_failures_in_a_row"] = raw["max_failures_in_a_row"]
+        backend = overrides.pop("backend", None)
+        if isinstance(backend, str):  # `--backend NAME`: the config's options kept where it names the same backend
+            given = kwargs["backend"]
+            given = dict(given) if isinstance(given, Mapping) else {"name": given}
+            kwargs["backend"] = {**given, "name": backend} if given.get("name") == backend else backend
         kwargs.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**kwargs)
 
@@ -296,6 +321,10 @@ class Tuner:
         import optuna
 
         target = self.trials if trials is None else trials
+        if self.backend == "ray":
+            from lightning_bigtrain.tune.ray_backend import run_on_ray
+
+            return run_on_ray(self, target)
         study = self.study
         if self.seed is not None:
             study.sampler = self._sampler(self.seed + self._worker_index())
@@ -318,30 +347,45 @@ class Tuner:
         return self.output / f"trial_{number:04d}"
 
     def _new_trial(self, trial: Any) -> None:
+        prepared = self._prepare(trial)
+        if prepared is not None:
+            folder, lock = prepared
+            try:
+                self._launch(trial.number, trial._trial_id, folder, adopted=False)
+            finally:
+                lock.release()
+
+    def _prepare(self, trial: Any) -> tuple[Path, _TrialLock] | None:
+        """Sample the trial's values, write its config and check it against the planner, holding its folder's lock
+        from before the folder is named in the study (so that it is never seen as an orphan). Returns the folder
+        and the held lock for a trial to launch, or None for one told to the study here: refused by the planner
+        (PRUNED, infeasible) or not preparable (FAIL, with the reason)."""
         import optuna
 
         folder = self._trial_dir(trial.number)
-        with _TrialLock(folder) as lock:  # held before the folder is named in the study: never seen as an orphan
-            if not lock.held:
-                raise RuntimeError(f"{folder} is locked by another driver: is `output` shared by two studies?")
-            trial.set_user_attr(_ATTR + "dir", str(folder))
-            try:
-                values = self.space.suggest(trial)
-                config = self.trial_config(values, folder, trial._trial_id)
-                (folder / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
-                refused = self._check_memory(config, trial)
-            except Exception as err:  # a trial that cannot even be prepared fails alone, with the reason
-                trial.set_user_attr(_ATTR + "reason", f"not prepared: {type(err).__name__}: {err}")
-                self.study.tell(trial, state=optuna.trial.TrialState.FAIL)
-                print(f"bigtrain tune: trial {trial.number} failed before launch: {err}", flush=True)
-                return
-            if refused is not None:
-                trial.set_user_attr(_ATTR + "status", "infeasible")
-                trial.set_user_attr(_ATTR + "reason", refused)
-                self.study.tell(trial, state=optuna.trial.TrialState.PRUNED)
-                print(f"bigtrain tune: trial {trial.number} not launched: {refused}", flush=True)
-                return
-            self._launch(trial.number, trial._trial_id, folder, lock, adopted=False)
+        lock = _TrialLock(folder)
+        if not lock.acquire():
+            raise RuntimeError(f"{folder} is locked by another driver: is `output` shared by two studies?")
+        trial.set_user_attr(_ATTR + "dir", str(folder))
+        try:
+            values = self.space.suggest(trial)
+            config = self.trial_config(values, folder, trial._trial_id)
+            (folder / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+            refused = self._check_memory(config, trial)
+        except Exception as err:  # a trial that cannot even be prepared fails alone, with the reason
+            trial.set_user_attr(_ATTR + "reason", f"not prepared: {type(err).__name__}: {err}")
+            self.study.tell(trial, state=optuna.trial.TrialState.FAIL)
+            lock.release()
+            print(f"bigtrain tune: trial {trial.number} failed before launch: {err}", flush=True)
+            return None
+        if refused is not None:
+            trial.set_user_attr(_ATTR + "status", "infeasible")
+            trial.set_user_attr(_ATTR + "reason", refused)
+            self.study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+            lock.release()
+            print(f"bigtrain tune: trial {trial.number} not launched: {refused}", flush=True)
+            return None
+        return folder, lock
 
     def _find_orphan(self) -> Any:
         """A RUNNING trial of this study whose driver died (its folder's lock is free), or None."""
@@ -361,20 +405,30 @@ class Tuner:
         return None
 
     def _run_trial(self, frozen: Any, adopted: bool) -> None:
+        lock = self._claim(frozen)
+        if lock is not None:
+            try:
+                self._launch(frozen.number, frozen._trial_id, Path(frozen.user_attrs[_ATTR + "dir"]), adopted=adopted)
+            finally:
+                lock.release()
+
+    def _claim(self, frozen: Any) -> _TrialLock | None:
+        """Take an orphaned trial over: its folder's lock (held on return), what is left of its process group
+        stopped. None when another driver took it first or it is no longer RUNNING."""
+        import optuna
+
         folder = Path(frozen.user_attrs[_ATTR + "dir"])
-        with _TrialLock(folder) as lock:
-            if not lock.held:
-                return  # another worker adopted it first
-            fresh = self.study._storage.get_trial(frozen._trial_id)
-            import optuna
+        lock = _TrialLock(folder)
+        if not lock.acquire():
+            return None  # another worker adopted it first
+        if self.study._storage.get_trial(frozen._trial_id).state != optuna.trial.TrialState.RUNNING:
+            lock.release()
+            return None
+        _kill_leftovers(folder)
+        print(f"bigtrain tune: adopting trial {frozen.number} (its driver died); resuming it", flush=True)
+        return lock
 
-            if fresh.state != optuna.trial.TrialState.RUNNING:
-                return
-            _kill_leftovers(folder)
-            print(f"bigtrain tune: adopting trial {frozen.number} (its driver died); resuming it", flush=True)
-            self._launch(frozen.number, frozen._trial_id, folder, lock, adopted=adopted)
-
-    def _launch(self, number: int, trial_id: int, folder: Path, lock: _TrialLock, adopted: bool) -> None:
+    def _launch(self, number: int, trial_id: int, folder: Path, adopted: bool) -> None:
         import optuna
 
         result_path = folder / "result.json"
