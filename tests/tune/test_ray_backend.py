@@ -5,17 +5,14 @@ refuse them), with the planner's gate in front; and a study whose driver died, c
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
 from lightning_bigtrain.tune import Tuner, TunerConfigError
 from lightning_bigtrain.tune.ray_backend import RayOptions
-from tests.tune.test_tune import BIGTRAIN, _base, _env, _write_tune
+from tests.tune.test_tune import _base, _env, _write_tune, kill_study_mid_trial
 
 pytest.importorskip("ray.tune")
 
@@ -108,21 +105,7 @@ def test_ray_driver_stops_when_every_trial_fails_the_same_way(tmp_path, monkeypa
 def test_killed_study_continues_on_ray(tmp_path):
     import optuna
 
-    base = _base()
-    base["trainer"]["max_epochs"] = 3  # 16 batches each
-    base["trainer"]["limit_train_batches"] = None
-    base["trainer"]["callbacks"] = [{"class_path": "tests.helpers.tune.SlowSteps", "init_args": {"seconds": 0.15}}]
-    path = _write_tune(tmp_path, base, trials=1, checkpoint_every_n_steps=5, pruning={"report_every": 5})
-    cmd = [BIGTRAIN, "tune", "--config", str(path)]
-    driver = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    ckpt = tmp_path / "study" / "trial_0000" / "checkpoints" / "last.ckpt"
-    deadline = time.monotonic() + 300
-    while not ckpt.exists() and driver.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert ckpt.exists(), (driver.stdout.read() if driver.stdout else b"")[-3000:]
-    driver.send_signal(signal.SIGKILL)  # the job dies whole: its trial is left RUNNING in the study
-    driver.wait()
-    os.killpg(json.loads((ckpt.parent.parent / "owner.json").read_text())["pgid"], signal.SIGKILL)
+    path, cmd = kill_study_mid_trial(tmp_path)  # a local driver and its trial, killed after a checkpoint
     run = subprocess.run([*cmd, "--backend", "ray"], cwd=tmp_path, env=_env(), capture_output=True, text=True,
                          timeout=600)  # fmt: skip
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]

@@ -182,10 +182,10 @@ def test_pruned_trial_stops_on_both_ranks_at_the_same_step(tmp_path):
 # -- a killed study continues; two workers share one storage --------------------------------------------------------
 
 
-@pytest.mark.integration
-def test_killed_study_continues_from_the_trials_checkpoint(tmp_path):
-    import optuna
-
+def kill_study_mid_trial(tmp_path: Path) -> tuple[Path, list[str]]:
+    """A one-trial study (48 slowed steps, a checkpoint every 5) whose driver and trial are SIGKILLed after the
+    trial's first checkpoint, as when a node is lost: the trial is left RUNNING in the study. Returns the tune
+    config's path and the command that runs it."""
     base = _base()
     base["trainer"]["max_epochs"] = 3  # 16 batches each
     base["trainer"]["limit_train_batches"] = None
@@ -198,11 +198,18 @@ def test_killed_study_continues_from_the_trials_checkpoint(tmp_path):
     while not ckpt.exists() and driver.poll() is None and time.monotonic() < deadline:
         time.sleep(0.1)
     assert ckpt.exists(), (driver.stdout.read() if driver.stdout else b"")[-3000:]
-    # The job dies whole (driver and trial, as when a node is lost): the trial is left RUNNING in the study.
     driver.send_signal(signal.SIGKILL)
     driver.wait()
     os.killpg(json.loads((ckpt.parent.parent / "owner.json").read_text())["pgid"], signal.SIGKILL)
     assert not (tmp_path / "study" / "trial_0000" / "result.json").exists()
+    return path, cmd
+
+
+@pytest.mark.integration
+def test_killed_study_continues_from_the_trials_checkpoint(tmp_path):
+    import optuna
+
+    path, cmd = kill_study_mid_trial(tmp_path)
     run = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     assert "adopting trial 0" in run.stdout
