@@ -791,7 +791,6 @@ def predict_peak(
     config: Mapping[str, Any], device_memory: str | int, sample_shape: list[int] | None, optimizer: str
 ) -> tuple[str, float, float]:
     """The planner's row for a fit config, its predicted peak bytes per device, and the budget in bytes."""
-    import importlib
 
     import torch
 
@@ -811,10 +810,8 @@ def predict_peak(
         shape, dtype = (int(data_args["batch_size"]), int(data_args["block_size"])), torch.long
     elif "batch_size" in data_args and sample_shape:
         shape = (int(data_args["batch_size"]), *sample_shape)
-    spec = config["model"]
-    module, _, name = str(spec["class_path"]).rpartition(".")
     try:
-        model = getattr(importlib.import_module(module), name)(**spec.get("init_args", {}))
+        model = _instantiate_model(config["model"])
         result = plan(
             model,
             cluster=Cluster(
@@ -829,6 +826,20 @@ def predict_peak(
         raise _Unplannable(f"the planner could not plan this configuration ({type(err).__name__}: {err})") from None
     row = _plan_row(trainer.get("strategy"), result.rows)
     return row, float(result.rows[row].peak_bytes), float(parse_bytes(device_memory, "device_memory"))
+
+
+def _instantiate_model(spec: Mapping[str, Any]) -> Any:
+    """The fit config's ``model:`` built as ``bigtrain fit`` (LightningCLI, through jsonargparse) builds it: nested
+    ``class_path`` arguments (a Hugging Face model and its config inside the user's module) instantiated too."""
+    import lightning as L
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_subclass_arguments(L.LightningModule, "model", fail_untyped=False)
+    try:
+        return parser.instantiate(parser.parse_object({"model": dict(spec)})).model
+    except Exception as err:  # jsonargparse wraps what the module's own __init__ raised
+        raise _Unplannable(f"the planner could not build the model ({type(err).__name__}: {err})") from None
 
 
 # -- trial folders: locks and leftovers ---------------------------------------------------------------------------

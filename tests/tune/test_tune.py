@@ -153,6 +153,59 @@ def test_infeasible_configuration_is_recorded_and_never_launched(tmp_path):
     assert "infeasible" in tuner.table()
 
 
+def _hf_base() -> dict:
+    """A fit config of a model this project did not write, as a Hugging Face user writes it for LightningCLI: their
+    LightningModule with a GPT-2 built from its config, both nested `class_path`s."""
+    config = {"class_path": "transformers.GPT2Config",
+              "init_args": {"vocab_size": 96, "n_positions": 32, "n_embd": 32, "n_layer": 2, "n_head": 2,
+                            "bos_token_id": 0, "eos_token_id": 0}}  # fmt: skip
+    base = _base()
+    base["model"] = {"class_path": "tests.helpers.tune.CausalLM", "init_args": {
+        "model": {"class_path": "transformers.GPT2LMHeadModel", "init_args": {"config": config}}}}  # fmt: skip
+    base["data"] = {"class_path": "lightning_bigtrain.data.ShakespeareDataModule",
+                    "init_args": {"block_size": 32, "batch_size": 8, "subset": 512}}  # fmt: skip
+    return base
+
+
+HF_EMBD = "model.init_args.model.init_args.config.init_args.n_embd"
+
+
+def test_nested_hugging_face_model_is_planned(tmp_path):
+    """The planner builds the model as `bigtrain fit` does (nested class_paths instantiated), so a Hugging Face model
+    inside the user's module is planned, not launched unplanned."""
+    from lightning_bigtrain.tune.tuner import predict_peak
+
+    tuner = Tuner(_hf_base(), {HF_EMBD: {"choices": [32, 1024]}}, output=tmp_path / "s")
+    peaks = {}
+    for embd in (32, 1024):
+        config = tuner.fit_config({HF_EMBD: embd})
+        row, peaks[embd], _ = predict_peak(config, "64MB", None, "adamw")
+        assert row == "ddp"
+    # GPT-2 at width 1024 holds ~25M parameters (AdamW: 16 bytes each) against ~0.1M at width 32.
+    assert peaks[1024] > 300 * 2**20 > 64 * 2**20 > peaks[32]
+
+
+@pytest.mark.integration
+def test_hugging_face_model_is_tuned_with_the_planners_gate(tmp_path, monkeypatch):
+    import optuna
+
+    for key, value in _env().items():
+        monkeypatch.setenv(key, value)
+    space = {HF_EMBD: {"choices": [32, 1024]}, "model.init_args.lr": {"low": 1e-3, "high": 1e-2, "log": True},
+             "trainer.strategy": {"choices": ["bigtrain_zero1", "bigtrain_zero2"]}}  # fmt: skip
+    tuner = Tuner(_hf_base(), space, trials=3, output=tmp_path / "s", seed=0, pruner=None, device_memory="64MB")
+    for embd, strategy in ((1024, "bigtrain_zero2"), (32, "bigtrain_zero1"), (32, "bigtrain_zero2")):
+        tuner.study.enqueue_trial({HF_EMBD: embd, "trainer.strategy": strategy})
+    tuner.run()
+    trials = tuner.study.get_trials()
+    assert [t.state for t in trials] == [optuna.trial.TrialState.PRUNED] + [optuna.trial.TrialState.COMPLETE] * 2
+    assert trials[0].user_attrs["bigtrain:status"] == "infeasible"
+    assert [t.user_attrs["bigtrain:planned"] for t in trials] == ["zero2", "zero1", "zero2"]
+    for t in trials[1:]:
+        result = json.loads((Path(t.user_attrs["bigtrain:dir"]) / "result.json").read_text())
+        assert result["status"] == "complete" and result["steps"] == 12 and 0 < t.values[0] < 5
+
+
 # -- a real study: pruning on 2 ranks -------------------------------------------------------------------------------
 
 
