@@ -307,14 +307,19 @@ class PipelineEstimate:
         p, d = self.degree, self.data_parallel
         return (2 * (p - 1) / p + 2 * (d - 1) / d) * self.outside_trainable * element_bytes
 
-    def sharding_bytes(self, rank: int, param_bytes: int, grad_bytes: int) -> float:
-        """Bytes ``rank`` sends per step in ZeRO-3 across the pipelines: per micro-batch, its blocks gathered for
-        forward and again for backward, and their gradients reduce-scattered (ring equivalent ``(d-1)/d``)."""
+    def sharding_bytes(self, rank: int, param_bytes: int, grad_bytes: int, stage: int = 3) -> float:
+        """Bytes ``rank`` sends per step sharding its blocks across the pipelines (FSDP2; ring equivalent
+        ``(d-1)/d`` of what is gathered or reduce-scattered). ZeRO-3: per micro-batch, its blocks gathered for forward
+        and again for backward, and their gradients reduce-scattered. ZeRO-2: gathered once and kept through the
+        step, the gradients reduce-scattered after each micro-batch's backward. ZeRO-1: gathered once, the whole
+        gradients accumulated over the micro-batches and reduce-scattered once."""
         d = self.data_parallel
         if d == 1:
             return 0.0
-        whole = self.unit_numel[rank]
-        return self.microbatches * (d - 1) / d * whole * (2 * param_bytes + grad_bytes)
+        m = self.microbatches
+        per_element = {3: m * (2 * param_bytes + grad_bytes), 2: param_bytes + m * grad_bytes,
+                       1: param_bytes + grad_bytes}[stage]  # fmt: skip
+        return (d - 1) / d * self.unit_numel[rank] * per_element
 
     def in_flight(self, rank: int) -> int | None:
         """Micro-batches whose activations ``rank`` holds at once (None: the interleaved schedule, not estimated)."""

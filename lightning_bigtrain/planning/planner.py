@@ -78,7 +78,7 @@ STRATEGY_NAMES = {
 
 def strategy_config(row: str) -> str | dict[str, Any]:
     """How ``bigtrain fit`` names a plan row's strategy: a registered name, or for ``zero{S}_tp{T}[_sp]`` /
-    ``zero3_pp{P}`` the class with its arguments (only some degrees are registered)."""
+    ``zero{S}_pp{P}`` the class with its arguments (only some degrees are registered)."""
     match = re.fullmatch(r"zero([123])_(tp|pp)(\d+)(_sp)?", row)
     if match:
         key = "tensor_parallel" if match.group(2) == "tp" else "pipeline_parallel"
@@ -619,7 +619,7 @@ def measure_activations(
     return plain, checkpointed, max(working, plain)
 
 
-def _pipeline_row(
+def _pipeline_rows(
     model: nn.Module,
     degree: int,
     n: int,
@@ -634,42 +634,49 @@ def _pipeline_row(
     latency: float,
     memory: float,
     notes: list[str],
-) -> PlanRow | None:
-    """``zero3_pp{degree}``: the model cut into ``degree`` pipeline stages (1F1B, ``2 x degree`` micro-batches), ZeRO-3
-    across the ``n / degree`` pipelines; the busiest rank's figures
-    (:class:`~lightning_bigtrain.planning.parallel.PipelineEstimate`)."""
+) -> list[PlanRow]:
+    """``zero{S}_pp{degree}`` for S = 1, 2, 3: the model cut into ``degree`` pipeline stages (1F1B, ``2 x degree``
+    micro-batches), each stage's blocks on ZeRO-S across the ``n / degree`` pipelines; the busiest rank's figures
+    (:class:`~lightning_bigtrain.planning.parallel.PipelineEstimate`). The three hold the same states at rest; stages
+    1-2 keep the stage's blocks gathered through the step (stage 1 also their whole gradients, reduce-scattered once
+    per step), so they send less and hold more. With one pipeline (nothing sharded) only the ``zero3_pp`` row."""
     name = f"zero3_pp{degree}"
     example = torch.zeros(tuple(batch_shape), dtype=input_dtype) if batch_shape is not None else None
     try:
         est = estimate_pipeline(model, degree, n, example, precision=precision)
     except Exception as err:  # no block container, too few blocks, an indivisible batch: no row
         notes.append(f"{name}: not estimated ({type(err).__name__}: {err})")
-        return None
-    worst: PlanRow | None = None
+        return []
+    dp = est.data_parallel
+    worst: dict[int, PlanRow] = {}
     for r in range(degree):
         p_dev, g_dev = est.numel[r] * p_bytes, est.numel_trainable[r] * g_bytes
         s_dev = est.numel_trainable[r] * state_per_param + est.tensors[r] * step_bytes
         p2p = est.pipeline_bytes(r)
         messages = p2p / est.hidden_bytes if est.hidden_bytes else 0
         reduce = est.reduce_bytes(g_bytes)
-        sharding = est.sharding_bytes(r, p_bytes, g_bytes)
-        sent = p2p + reduce + sharding
         units = sum(len(est.plan.blocks(s)) for s in est.local_stages[r])
-        collectives = 2 * (degree - 1) + 2 * (n // degree - 1) + 3 * est.microbatches * units * (n // degree - 1)
-        seconds = (messages + collectives) * latency + sent / beta
         activations = est.activations(r) or 0.0
-        # Across pipelines: the gathered block and the prefetched next, and a block's unsharded gradients.
         unit = est.largest_unit[r]
-        transient = (2 * unit * p_bytes + unit * g_bytes) if est.data_parallel > 1 else 0.0
-        row = PlanRow(name, p_dev, g_dev, s_dev, activations, transient, 0.0, sent, seconds, 0.0, fits=False,
-                      bubble_fraction=est.bubble)  # fmt: skip
-        if worst is None or row.peak_bytes > worst.peak_bytes:
-            worst = row
-    assert worst is not None
+        for stage in (1, 2, 3) if dp > 1 else (3,):  # one pipeline: nothing is sharded, every stage is ZeRO-3's row
+            sharding = est.sharding_bytes(r, p_bytes, g_bytes, stage)
+            sent = p2p + reduce + sharding
+            per_unit = {3: 3 * est.microbatches, 2: 1 + est.microbatches, 1: 2}[stage]
+            collectives = 2 * (degree - 1) + 2 * (dp - 1) + per_unit * units * (dp - 1)
+            seconds = (messages + collectives) * latency + sent / beta
+            transient = 0.0
+            if dp > 1 and stage == 3:  # the gathered block and the prefetched next, and a block's whole gradients
+                transient = 2 * unit * p_bytes + unit * g_bytes
+            elif dp > 1:  # the stage's blocks gathered through the step; stage 1: their whole gradients too
+                transient = est.unit_numel[r] * p_bytes + (est.unit_numel[r] if stage == 1 else unit) * g_bytes
+            row = PlanRow(f"zero{stage}_pp{degree}", p_dev, g_dev, s_dev, activations, transient, 0.0, sent, seconds,
+                          0.0, fits=False, bubble_fraction=est.bubble)  # fmt: skip
+            if stage not in worst or row.peak_bytes > worst[stage].peak_bytes:
+                worst[stage] = row
     if example is None:
         notes.append(f"{name}: activations and pipeline bytes need batch_shape (left out)")
     notes.append(f"{name}: the 1F1B schedule idles {100 * est.bubble:.0f}% of compute (bubble), not in its seconds")
-    return PlanRow(**{**worst.__dict__, "fits": worst.peak_bytes <= memory})
+    return [PlanRow(**{**row.__dict__, "fits": row.peak_bytes <= memory}) for row in worst.values()]
 
 
 def _repeated_blocks(model: nn.Module) -> list[nn.Module]:
@@ -976,9 +983,8 @@ def _plan(model_or_num_params: nn.Module | int, cluster: Cluster, workload: Work
                     rows[row.strategy] = PlanRow(**{**row.__dict__, "fits": row.peak_bytes <= memory})
     if isinstance(model_or_num_params, nn.Module) and n > 1:
         for degree in [d for d in range(2, n + 1) if n % d == 0]:
-            row_pp = _pipeline_row(model_or_num_params, degree, n, batch_shape, input_dtype, precision, p_bytes,
-                                   g_bytes, state_per_param, step_bytes, beta, latency, memory, notes)  # fmt: skip
-            if row_pp is not None:
+            for row_pp in _pipeline_rows(model_or_num_params, degree, n, batch_shape, input_dtype, precision, p_bytes,
+                                         g_bytes, state_per_param, step_bytes, beta, latency, memory, notes):  # fmt: skip
                 rows[row_pp.strategy] = row_pp
     if accelerator == "cpu":
         notes.append("on CPU, offloading has nothing to move: the offload rows are ZeRO-3 (FSDP2) without offload")

@@ -157,3 +157,12 @@ def test_pipelines_across_data_parallel_replicas_shard_their_blocks_and_count_ze
     assert {"zero3_pp2", "zero3_pp4"} <= set(rows.rows)
     assert rows["zero3_pp2"].comm_bytes_per_step == (two.pipeline_bytes(0) + two.reduce_bytes(4)
                                                      + two.sharding_bytes(0, 4, 4))  # fmt: skip
+    # ZeRO-1/2 across the pipelines: gathered once per step; reduce-scattered once (1) or per micro-batch (2).
+    assert two.sharding_bytes(0, 4, 4, stage=2) == 0.5 * (blocks // 2) * (4 + 4 * 4)
+    assert two.sharding_bytes(0, 4, 4, stage=1) == 0.5 * (blocks // 2) * (4 + 4)
+    one_, two_, three_ = (rows[f"zero{s}_pp2"] for s in (1, 2, 3))
+    assert one_.model_states_bytes == two_.model_states_bytes == three_.model_states_bytes
+    assert one_.comm_bytes_per_step < two_.comm_bytes_per_step < three_.comm_bytes_per_step
+    # Stage 2 holds the stage's two blocks gathered through the step, as stage 3 holds one block and the prefetched next.
+    assert one_.peak_bytes > two_.peak_bytes == three_.peak_bytes
+    assert "zero1_pp2" not in plan(model, devices=2, batch_shape=(8, 32), accelerator="cpu", compression=False).rows

@@ -145,6 +145,17 @@ def test_zero_stages_1_and_2_across_pipelines_equal_one_process_and_reduce_once_
         print(f"dp=2 x pp=2, FSDP2 bytes per rank over 6 optimizer steps: stage 1 {one}, stage 2 {two}")
         # 6 optimizer steps, then the validation at the end gathers each block once more: (6*2 + 1) : (6*9 + 1) units.
         assert one / two == pytest.approx(13 / 55, rel=1e-3), (one, two)
+    # The planner's rows per optimizer step without accumulation (one gather and one reduce-scatter at stage 1; one
+    # gather and 4 reduce-scatters at stage 2), less the pipeline's own messages and all-reduces: the measured units.
+    from lightning_bigtrain.planning import plan
+    from lightning_bigtrain.planning.parallel import estimate_pipeline
+
+    example = torch.zeros(8, 32, dtype=torch.long)
+    rows = plan(_model(), devices=4, batch_shape=tuple(example.shape), accelerator="cpu", compression=False)
+    est = estimate_pipeline(_model(), 2, 4, example)
+    other = est.pipeline_bytes(0) + est.reduce_bytes(4)
+    assert rows["zero1_pp2"].comm_bytes_per_step - other == pytest.approx(one * 2 / 13, rel=1e-9)
+    assert rows["zero2_pp2"].comm_bytes_per_step - other == pytest.approx(two * 5 / 55, rel=1e-9)
 
 
 def _families(rank: int, devices: int) -> dict[str, Any]:

@@ -355,8 +355,9 @@ def test_each_strategy_spelling_maps_to_its_planner_row():
     assert _plan_row(sp, rows) == "zero3_tp2_sp"
     zero1_pp2 = {"class_path": "lightning_bigtrain.strategies.ZeroStrategy",
                  "init_args": {"stage": 1, "pipeline_parallel": 2}}  # fmt: skip
-    with pytest.raises(_Unplannable, match=r"pipeline-parallel rows are ZeRO-3's \(stage=1 given\)"):
-        _plan_row(zero1_pp2, rows)
+    assert _plan_row(zero1_pp2, rows) == "zero3_pp2"  # one pipeline per group: the stages are one row
+    rows.update(dict.fromkeys(["zero1_pp2"]))
+    assert _plan_row(zero1_pp2, rows) == "zero1_pp2"  # pipelines across data-parallel replicas
     with pytest.raises(_Unplannable, match="no row for strategy 'fsdp'"):
         _plan_row("fsdp", rows)
 
