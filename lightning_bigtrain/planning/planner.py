@@ -983,9 +983,10 @@ def _plan(model_or_num_params: nn.Module | int, cluster: Cluster, workload: Work
                     rows[row.strategy] = PlanRow(**{**row.__dict__, "fits": row.peak_bytes <= memory})
     if isinstance(model_or_num_params, nn.Module) and n > 1:
         for degree in [d for d in range(2, n + 1) if n % d == 0]:
-            for row_pp in _pipeline_rows(model_or_num_params, degree, n, batch_shape, input_dtype, precision, p_bytes,
-                                         g_bytes, state_per_param, step_bytes, beta, latency, memory, notes):  # fmt: skip
-                rows[row_pp.strategy] = row_pp
+            pipeline_rows = _pipeline_rows(model_or_num_params, degree, n, batch_shape, input_dtype, precision,
+                                           p_bytes, g_bytes, state_per_param, step_bytes, beta, latency, memory,
+                                           notes)  # fmt: skip
+            rows.update((row_pp.strategy, row_pp) for row_pp in pipeline_rows)
     if accelerator == "cpu":
         notes.append("on CPU, offloading has nothing to move: the offload rows are ZeRO-3 (FSDP2) without offload")
     compressed: dict[str, PlanRow] = {}

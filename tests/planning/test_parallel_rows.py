@@ -163,6 +163,6 @@ def test_pipelines_across_data_parallel_replicas_shard_their_blocks_and_count_ze
     one_, two_, three_ = (rows[f"zero{s}_pp2"] for s in (1, 2, 3))
     assert one_.model_states_bytes == two_.model_states_bytes == three_.model_states_bytes
     assert one_.comm_bytes_per_step < two_.comm_bytes_per_step < three_.comm_bytes_per_step
-    # Stage 2 holds the stage's two blocks gathered through the step, as stage 3 holds one block and the prefetched next.
+    # Stage 2 holds the stage's two blocks gathered through the step; stage 3 one block and the prefetched next.
     assert one_.peak_bytes > two_.peak_bytes == three_.peak_bytes
     assert "zero1_pp2" not in plan(model, devices=2, batch_shape=(8, 32), accelerator="cpu", compression=False).rows
