@@ -981,6 +981,17 @@ def _plan(model_or_num_params: nn.Module | int, cluster: Cluster, workload: Work
                     row = PlanRow(f"{name}_sp", p_dev, g_dev, s_dev, plain_sp, gathered_units + working_sp - plain_sp,
                                   0.0, sent_sp, seconds_sp, 0.0, fits=False)  # fmt: skip
                     rows[row.strategy] = PlanRow(**{**row.__dict__, "fits": row.peak_bytes <= memory})
+                    # ZeRO-1/2 with sequence parallelism: their data-axis traffic and holdings, its activations.
+                    tp_swap = est.tensor_parallel_bytes(element, True) - est.tensor_parallel_bytes(element)
+                    tp_swap_s = (est.tensor_parallel_seconds(element, intra, latency, True)
+                                 - est.tensor_parallel_seconds(element, intra, latency))  # fmt: skip
+                    for stage in (1, 2):
+                        base12 = rows[f"zero{stage}_tp{degree}"]
+                        held = base12.transient_bytes - row_extra
+                        row = PlanRow(f"zero{stage}_tp{degree}_sp", p_dev, g_dev, s_dev, plain_sp,
+                                      held + working_sp - plain_sp, 0.0, sent_12 + tp_swap, seconds_12 + tp_swap_s,
+                                      0.0, fits=False)  # fmt: skip
+                        rows[row.strategy] = PlanRow(**{**row.__dict__, "fits": row.peak_bytes <= memory})
     if isinstance(model_or_num_params, nn.Module) and n > 1:
         for degree in [d for d in range(2, n + 1) if n % d == 0]:
             pipeline_rows = _pipeline_rows(model_or_num_params, degree, n, batch_shape, input_dtype, precision,

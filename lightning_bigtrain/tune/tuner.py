@@ -758,8 +758,6 @@ def _plan_row(strategy: Any, rows: Mapping[str, Any]) -> str:
         degree, stages = int(args.get("tensor_parallel", 1)), int(args.get("pipeline_parallel", 1))
         if degree > 1 and stages > 1:
             raise _Unplannable("the planner has no row for tensor and pipeline parallelism together")
-        if degree > 1 and stage != 3 and args.get("sequence_parallel"):
-            raise _Unplannable(f"the planner's sequence-parallel rows are ZeRO-3's (stage={stage} given)")
         if degree > 1:
             row = f"zero{stage}_tp{degree}" + ("_sp" if args.get("sequence_parallel") else "")
         if stages > 1:  # one pipeline per data-parallel group of one: every stage is the zero3_pp row

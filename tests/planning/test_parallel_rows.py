@@ -51,6 +51,14 @@ def test_sequence_parallel_rows_send_its_collectives_and_split_more_activations(
     from lightning_bigtrain.planning.planner import strategy_config
 
     assert strategy_config("zero3_tp2_sp")["init_args"] == {"stage": 3, "tensor_parallel": 2, "sequence_parallel": True}
+    # ZeRO-1/2 on the data axis with sequence parallelism: their own rows' states and holdings, its activations and
+    # collectives.
+    for stage in (1, 2):
+        base, with_sp = rows[f"zero{stage}_tp2"], rows[f"zero{stage}_tp2_sp"]
+        assert with_sp.model_states_bytes == base.model_states_bytes
+        assert with_sp.activation_bytes == sp.activation_bytes
+        assert with_sp.comm_bytes_per_step - base.comm_bytes_per_step == extra
+        assert strategy_config(f"zero{stage}_tp2_sp")["init_args"]["stage"] == stage
 
 
 def test_a_model_sequence_parallelism_refuses_gets_a_note_instead_of_a_row():

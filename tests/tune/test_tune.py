@@ -353,6 +353,10 @@ def test_each_strategy_spelling_maps_to_its_planner_row():
     sp = {"class_path": "lightning_bigtrain.strategies.ZeroStrategy",
           "init_args": {"tensor_parallel": 2, "sequence_parallel": True}}  # fmt: skip
     assert _plan_row(sp, rows) == "zero3_tp2_sp"
+    sp1 = {"class_path": "lightning_bigtrain.strategies.ZeroStrategy",
+           "init_args": {"stage": 1, "tensor_parallel": 2, "sequence_parallel": True}}  # fmt: skip
+    rows.update(dict.fromkeys(["zero1_tp2_sp"]))
+    assert _plan_row(sp1, rows) == "zero1_tp2_sp"
     zero1_pp2 = {"class_path": "lightning_bigtrain.strategies.ZeroStrategy",
                  "init_args": {"stage": 1, "pipeline_parallel": 2}}  # fmt: skip
     assert _plan_row(zero1_pp2, rows) == "zero3_pp2"  # one pipeline per group: the stages are one row
