@@ -78,9 +78,6 @@ METHODS: dict[str, str] = {
     "preconditioned): the momentum exchanged in the update's units",
     "onebit_adam_block128_refresh4_4bit_plain": "ours OneBitAdam(OneBit(block=128) momentum, variance_refresh=4, "
     "refresh_bits=4, no guards): a scale per 128 entries",
-    "onebit_adam_innov": "ours OneBitAdam(variance_refresh=4, refresh_bits=4, no guards), each rank's innovation "
-    "(1 - beta1) g_i exchanged in 1 bit instead of its momentum",
-    "onebit_adam_innov_precond": "as onebit_adam_innov, the innovation exchanged in the update's units",
     "onebit_adam_q8r_every2_plain": "ours OneBitAdam(Quantize(8) momentum, variance_refresh=2, no tracked scale, "
     "not preconditioned): the guards' own cost",
     "auto": "ours compression='auto': fp16 and PowerSGD(4) timed for 4 steps each, the faster kept (10% margin)",
@@ -172,14 +169,6 @@ def _strategy(method: str) -> Any:
                     preconditioned=False,
                 )
             )
-        if method.startswith("onebit_adam_innov"):  # the ranks' innovations (1 - beta1) g_i exchanged, not m_i
-            from lightning_bigtrain.engines.onebit_adam import CompressedMomentumAdam
-
-            CompressedMomentumAdam.innovation_default = True
-            return CompressedDDPStrategy(
-                OneBitAdam(variance_refresh=4, refresh_bits=4, track_scale=False,
-                           preconditioned=method.endswith("_precond"))
-            )  # fmt: skip
         if method == "onebit_adam_q8r_refresh4_4bit_plain":  # 8-bit momentum, a 4-bit variance every 4th, no guards
             return CompressedDDPStrategy(
                 OneBitAdam(

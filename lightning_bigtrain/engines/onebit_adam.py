@@ -233,8 +233,6 @@ class CompressedMomentumAdam(torch.optim.Optimizer):
     further than Adam ever could (:meth:`_raise_variance`).
     """
 
-    innovation_default = False
-
     def __init__(
         self,
         params: Any,
@@ -263,7 +261,6 @@ class CompressedMomentumAdam(torch.optim.Optimizer):
         self.refresh = refresh
         self.refresh_every = refresh_every
         self.steps = 0  # optimizer steps taken (the phase); in state_dict
-        self.innovation = type(self).innovation_default  # probe: exchange (1 - beta1) g_i, not the whole momentum
 
     @classmethod
     def from_optimizer(
@@ -347,8 +344,6 @@ class CompressedMomentumAdam(torch.optim.Optimizer):
         if compressing and self.track_scale:
             self._track_scale()
         grads = self._averaged_gradients() if refreshing and not squares else {}
-        innovation = self.innovation and compressing and not refreshing and not squares
-        innovations: dict[torch.Tensor, torch.Tensor] = {}
         span = self.refresh_every or 1
         # 1. Momentum (and, in the warm-up or at a refresh, variance) from this step's gradients: all-reduced in
         #    the warm-up, 8-bit averaged at a refresh, this rank's own otherwise. Every parameter takes part after
@@ -364,10 +359,7 @@ class CompressedMomentumAdam(torch.optim.Optimizer):
                     grad = torch.zeros_like(p)
                 if group["weight_decay"] and not self.decoupled:
                     grad = grad.add(p, alpha=group["weight_decay"])
-                if innovation:  # only what the other ranks do not know: this rank's share of the new momentum
-                    innovations[p] = grad.mul(1 - beta1)
-                else:
-                    state["exp_avg"].lerp_(grad, 1 - beta1)
+                state["exp_avg"].lerp_(grad, 1 - beta1)
                 if not compressing:
                     state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
                     state["frozen_step"] = state["step"] + 1  # the variance's bias correction, kept when frozen
@@ -385,9 +377,7 @@ class CompressedMomentumAdam(torch.optim.Optimizer):
                 state["step"] += 1
         # 2. After the warm-up, but at a refresh: the ranks' momenta averaged, compressed with error feedback; then
         #    the variance raised where the averaged momentum shows it stale (Adam's own bound on a step).
-        if innovation:
-            self._average_innovations(innovations)
-        elif compressing and not (refreshing and not squares):
+        if compressing and not (refreshing and not squares):
             self._average_momentum()
         if refreshing and squares:
             self._refresh_from_squares()
@@ -480,24 +470,6 @@ class CompressedMomentumAdam(torch.optim.Optimizer):
         self.engine.exchange_now(self.engine.tensor_segments(momenta, params))
         for m, d in zip(momenta, denominators, strict=False):
             m.mul_(d)
-
-    def _average_innovations(self, innovations: dict[torch.Tensor, torch.Tensor]) -> None:
-        """``m <- beta1 m + avg_i((1 - beta1) g_i)``, the average compressed with error feedback."""
-        params = list(innovations)
-        values = [innovations[p] for p in params]
-        denominators = []
-        if self.preconditioned:
-            groups = {p: g for g in self.param_groups for p in g["params"]}
-            for p, d in zip(params, values, strict=True):
-                denominator = self._denominator(self.state[p], groups[p], True)
-                d.div_(denominator)
-                denominators.append(denominator)
-        self.engine.exchange_now(self.engine.tensor_segments(values, params))
-        groups = {p: g for g in self.param_groups for p in g["params"]}
-        for i, (p, d) in enumerate(zip(params, values, strict=True)):
-            if denominators:
-                d.mul_(denominators[i])
-            self.state[p]["exp_avg"].mul_(groups[p]["betas"][0]).add_(d)
 
     def _local_sq(self, p: torch.Tensor, state: dict[str, Any]) -> torch.Tensor:
         """This rank's running second moment of ``p``'s gradient. It differs between ranks, so it is kept in the
