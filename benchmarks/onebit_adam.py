@@ -44,6 +44,13 @@ ABLATIONS = (
     "onebit_adam_q8r_every2",
     "onebit_adam_refresh4_4bit",
     "onebit_adam_q8r_plain",
+    # One factor at a time, no guards (track_scale=False, preconditioned=False): the momentum in 1 bit or in 8 bits
+    # (Quantize(8) with error feedback), the variance refreshed from 8-bit gradients every 2nd step or from 4-bit
+    # gradients every 4th (results/onebit_adam_factors.json).
+    "onebit_adam_every2_plain",
+    "onebit_adam_q8r_every2_plain",
+    "onebit_adam_refresh4_4bit_plain",
+    "onebit_adam_q8r_refresh4_4bit_plain",
     # ZeRO-2 with a compressed reduce-scatter (issue 21 part 3), and ZeRO-2 dense: no dense warm-up, the whole run is
     # the compressed phase; bytes against a dense fp32 reduce-scatter.
     "zero2",
