@@ -357,6 +357,12 @@ BLOCKS: dict[str, Block] = {
             ("onebit_adam.json", "onebit_adam_squares.json"),
         ),
         Block(
+            "onebit-adam-factors",
+            _module("benchmarks.onebit_adam", "render_factors_block"),
+            ("docs/compression.md",),
+            ("onebit_adam_factors.json",),
+        ),
+        Block(
             "zero2-compression",
             _module("benchmarks.onebit_adam", "render_zero2_block"),
             ("docs/compression.md",),

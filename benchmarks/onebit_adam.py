@@ -247,3 +247,46 @@ def render_zero2_block(results_dir: Path = RESULTS_DIR, name: str = "zero2_compr
                 f"{value(dense['mean'])} | {value(ours['mean'])} | {gap} | {ours.get('whole_run_ratio', 1.0):.1f}x |"
             )
     return "\n".join(lines)
+
+
+#: The factor ablation's methods: (momentum exchange, variance refresh).
+FACTORS = {
+    "onebit_adam_every2_plain": ("1 bit (`OneBit`)", "every 2nd step, 8-bit gradients"),
+    "onebit_adam_q8r_every2_plain": ("8 bits (`Quantize(8)`)", "every 2nd step, 8-bit gradients"),
+    "onebit_adam_refresh4_4bit_plain": ("1 bit (`OneBit`)", "every 4th step, 4-bit gradients"),
+    "onebit_adam_q8r_refresh4_4bit_plain": ("8 bits (`Quantize(8)`)", "every 4th step, 4-bit gradients"),
+}
+
+
+def render_factors_block(results_dir: Path = RESULTS_DIR, name: str = "onebit_adam_factors.json") -> str:
+    """The ``onebit-adam-factors`` block (docs/compression.md): OneBitAdam without its guards, the momentum's
+    exchange and the variance's refresh varied one at a time, against dense fp32 AdamW DDP, from
+    ``results/onebit_adam_factors.json``."""
+    from benchmarks.common import load_results, measured_line, sig
+
+    results = load_results(results_dir, name)
+    q = results["figures"]["gpt"]
+    dense = q["methods"]["fp32"]
+    lines = [
+        measured_line(results, name, results_dir),
+        "",
+        f"char-GPT, validation loss after {q['steps']} steps, seeds {', '.join(str(s) for s in q['seeds'])} (the same "
+        f"for every row); dense fp32 AdamW: {sig(dense['mean'])} "
+        f"(per seed {', '.join(sig(v) for v in dense['values'])}). "
+        "Each row is `OneBitAdam` with `track_scale=False, preconditioned=False` (no guards), "
+        f"`warmup_steps={results['config']['warmup_steps']}` (dense steps first), and the momentum exchanged with "
+        "error feedback as the row says:",
+        "",
+        "| momentum exchanged in | variance refreshed | val loss (per seed) | vs dense | bytes fewer, compressed phase "
+        "| bytes fewer, whole run |",
+        "|---|---|---|---|---|---|",
+    ]
+    for method, (momentum, refresh) in FACTORS.items():
+        if method not in q["methods"]:
+            continue
+        ours = q["methods"][method]
+        lines.append(
+            f"| {momentum} | {refresh} | {sig(ours['mean'])} ({', '.join(sig(v) for v in ours['values'])}) | "
+            f"{100 * ours['gap']:+.2f}% | {ours['compressed_phase_ratio']:.1f}x | {ours['whole_run_ratio']:.2f}x |"
+        )
+    return "\n".join(lines)

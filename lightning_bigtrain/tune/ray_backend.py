@@ -25,6 +25,8 @@ filesystem for the default journal file, or an Optuna RDB URL as ``study.storage
 from __future__ import annotations
 
 import os
+import signal
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -207,8 +209,15 @@ def _searcher_class() -> type:
                 lock.release()
 
         def release_all(self) -> None:
-            """The driver is stopping: every lock it holds freed, so the trials can be adopted."""
-            for _, lock in self.live.values():
+            """The driver is stopping (interrupted, or Ray stopped the experiment): the fits of the trials still live
+            are stopped (their process groups outlive the Ray workers that launched them) and their locks freed, so
+            that the next driver adopts them and resumes each from its last checkpoint."""
+            from lightning_bigtrain.tune.tuner import _STOPPING, _kill_leftovers
+
+            for number, lock in self.live.values():
+                folder = self.tuner._trial_dir(number)
+                (folder / _STOPPING).touch()  # its Ray trial, if still running, then tells the study nothing
+                _kill_leftovers(folder)
                 lock.release()
             self.live.clear()
 
@@ -238,6 +247,14 @@ def _ray_trial(config: dict[str, Any], tuner: Any, cwd: str) -> None:
     tune.report(report)
 
 
+def _remembering(handler: Any, received: list[int]) -> Any:
+    def on_signal(signum: int, frame: Any) -> Any:
+        received.append(signum)
+        return handler(signum, frame)
+
+    return on_signal
+
+
 def run_on_ray(tuner: Any, target: int) -> Any:
     """Run ``tuner``'s study on Ray Tune until it holds ``target`` started trials; returns the study. Raises
     :class:`~lightning_bigtrain.tune.TrialsFailingError` when ``max_failures_in_a_row`` trials failed."""
@@ -248,11 +265,20 @@ def run_on_ray(tuner: Any, target: int) -> Any:
 
     options: RayOptions = tuner.backend_options
     started = False
+    received: list[int] = []  # a signal the caller's handler took while Ray waited
     if not ray.is_initialized():
         kwargs: dict[str, Any] = {"address": options.address, "include_dashboard": False, "log_to_driver": False}
         if options.address is None and not os.environ.get("RAY_ADDRESS"):
             kwargs["num_cpus"] = options.num_cpus
+        # Ray installs its own SIGTERM handler (it logs and aborts); keep the caller's, which `bigtrain tune` uses to
+        # stop the trials' fits and free their locks on the way out.
+        main = threading.current_thread() is threading.main_thread()
+        handler = signal.getsignal(signal.SIGTERM) if main else None
         ray.init(**kwargs)
+        if callable(handler):
+            signal.signal(signal.SIGTERM, _remembering(handler, received))
+        elif handler is not None:
+            signal.signal(signal.SIGTERM, handler)
         started = True
     study = tuner.study
     if tuner.seed is not None:
@@ -274,6 +300,10 @@ def run_on_ray(tuner: Any, target: int) -> Any:
           f"{options.max_concurrent_trials or 'as many as fit'} at a time)", flush=True)  # fmt: skip
     try:
         ray_tuner.fit()
+    except SystemExit:
+        if received:  # Ray's wait turns the handler's exit into SystemExit(1): keep the signal's status
+            raise SystemExit(128 + received[0]) from None
+        raise
     finally:
         searcher.release_all()
         if started:

@@ -47,6 +47,9 @@ _DIRECTIONS = ("minimize", "maximize")
 _SAMPLERS = ("auto", "tpe", "nsga2", "random")
 _ATTR = "bigtrain:"
 _STATES_DONE = ("COMPLETE", "PRUNED", "FAIL")
+#: Written into a trial's folder by a driver that stops the trial's fit on its way out (a Ray driver: the fit's
+#: launcher is another process), so that the launcher leaves the trial RUNNING for the next driver to adopt.
+_STOPPING = "stopping"
 
 
 class TunerConfigError(ValueError):
@@ -438,6 +441,8 @@ class Tuner:
         cmd = [sys.executable, "-m", "lightning_bigtrain.cli", "fit", "--config", str(folder / "config.yaml")]
         if self._checkpoint_dir(folder) is not None:
             cmd += ["--resume", "auto"]
+        stopping = folder / _STOPPING
+        stopping.unlink(missing_ok=True)
         launches = int(self.study._storage.get_trial(trial_id).user_attrs.get(_ATTR + "launches", 0)) + 1
         self.study._storage.set_trial_user_attr(trial_id, _ATTR + "launches", launches)
         print(f"bigtrain tune: trial {number} launched ({folder})", flush=True)
@@ -457,6 +462,8 @@ class Tuner:
             except BaseException:
                 _killpg(proc.pid)  # the driver is stopping: its trial stops with it, resumable by the next one
                 raise
+        if stopping.exists():  # its driver stopped it (a Ray driver's, from another process): left to adopt
+            return
         if rc != 0 or not result_path.exists():
             tail = (folder / "log.txt").read_text(errors="replace")[-1500:]
             self.study._storage.set_trial_user_attr(trial_id, _ATTR + "reason", f"exit status {rc}: ...{tail}")

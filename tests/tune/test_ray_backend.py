@@ -5,14 +5,17 @@ refuse them), with the planner's gate in front; and a study whose driver died, c
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
 from lightning_bigtrain.tune import Tuner, TunerConfigError
 from lightning_bigtrain.tune.ray_backend import RayOptions
-from tests.tune.test_tune import _base, _env, _write_tune, kill_study_mid_trial
+from tests.tune.test_tune import _base, _env, _write_tune, kill_study_mid_trial, start_slow_study
 
 pytest.importorskip("ray.tune")
 
@@ -115,3 +118,36 @@ def test_killed_study_continues_on_ray(tmp_path):
     folder = Path(trial.user_attrs["bigtrain:dir"])
     assert json.loads((folder / "result.json").read_text())["steps"] == 48
     assert "Restoring states from the checkpoint path" in (folder / "log.txt").read_text()
+
+
+@pytest.mark.integration
+def test_a_stopped_ray_driver_stops_its_trials_fit_and_leaves_it_to_adopt(tmp_path):
+    """SIGTERM to a `--backend ray` driver mid-trial: the trial's fit (a process group that outlives Ray's workers)
+    is stopped with the driver, and the trial stays RUNNING with its lock free; the next driver adopts it."""
+    import optuna
+
+    from lightning_bigtrain.tune.tuner import _TrialLock
+
+    path, cmd, driver, ckpt = start_slow_study(tmp_path, "--backend", "ray")
+    pgid = json.loads((ckpt.parent.parent / "owner.json").read_text())["pgid"]
+    driver.send_signal(signal.SIGTERM)
+    out = driver.communicate(timeout=180)[0]
+    assert driver.returncode == 128 + signal.SIGTERM, out[-3000:]
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.2)
+    else:
+        pytest.fail(f"the trial's fit (process group {pgid}) still runs after its Ray driver stopped")
+    (trial,) = Tuner.from_yaml(path).study.get_trials()
+    assert trial.state == optuna.trial.TrialState.RUNNING
+    lock = _TrialLock(ckpt.parent.parent)
+    assert lock.acquire()
+    lock.release()
+    run = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and "adopting trial 0" in run.stdout, run.stdout[-2000:] + run.stderr[-3000:]
+    (trial,) = Tuner.from_yaml(path).study.get_trials()
+    assert trial.state == optuna.trial.TrialState.COMPLETE and trial.user_attrs["bigtrain:launches"] == 2

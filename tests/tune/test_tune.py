@@ -235,22 +235,30 @@ def test_pruned_trial_stops_on_both_ranks_at_the_same_step(tmp_path):
 # -- a killed study continues; two workers share one storage --------------------------------------------------------
 
 
-def kill_study_mid_trial(tmp_path: Path) -> tuple[Path, list[str]]:
-    """A one-trial study (48 slowed steps, a checkpoint every 5) whose driver and trial are SIGKILLed after the
-    trial's first checkpoint, as when a node is lost: the trial is left RUNNING in the study. Returns the tune
-    config's path and the command that runs it."""
+def start_slow_study(tmp_path: Path, *extra: str) -> tuple[Path, list[str], subprocess.Popen, Path]:
+    """A one-trial study (48 slowed steps, a checkpoint every 5) started as `bigtrain tune` (with ``extra``
+    arguments) and followed until its trial's first checkpoint. Returns the tune config's path, the command, the
+    running driver and the checkpoint."""
     base = _base()
     base["trainer"]["max_epochs"] = 3  # 16 batches each
     base["trainer"]["limit_train_batches"] = None
     base["trainer"]["callbacks"] = [{"class_path": "tests.helpers.tune.SlowSteps", "init_args": {"seconds": 0.15}}]
     path = _write_tune(tmp_path, base, trials=1, checkpoint_every_n_steps=5, pruning={"report_every": 5})
     cmd = [BIGTRAIN, "tune", "--config", str(path)]
-    driver = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    driver = subprocess.Popen([*cmd, *extra], cwd=tmp_path, env=_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT)  # fmt: skip
     ckpt = tmp_path / "study" / "trial_0000" / "checkpoints" / "last.ckpt"
     deadline = time.monotonic() + 300
     while not ckpt.exists() and driver.poll() is None and time.monotonic() < deadline:
         time.sleep(0.1)
     assert ckpt.exists(), (driver.stdout.read() if driver.stdout else b"")[-3000:]
+    return path, cmd, driver, ckpt
+
+
+def kill_study_mid_trial(tmp_path: Path) -> tuple[Path, list[str]]:
+    """:func:`start_slow_study`, then its driver and trial SIGKILLed, as when a node is lost: the trial is left
+    RUNNING in the study. Returns the tune config's path and the command that runs it."""
+    path, cmd, driver, ckpt = start_slow_study(tmp_path)
     driver.send_signal(signal.SIGKILL)
     driver.wait()
     os.killpg(json.loads((ckpt.parent.parent / "owner.json").read_text())["pgid"], signal.SIGKILL)
