@@ -195,14 +195,11 @@ def _searcher_class() -> type:
                     self.failed_in_a_row += 1
                     limit = self.tuner.max_failures_in_a_row
                     if limit is not None and self.failed_in_a_row >= limit:
-                        reason = str(frozen.user_attrs.get("bigtrain:reason", ""))
-                        last = [line for line in reason.splitlines() if line.strip()][-1:] or [""]
-                        self.stopped = (
-                            f"{self.failed_in_a_row} trials in a row failed; the last (trial {number}) ended with: "
-                            f"{last[0].strip()[:300]} (see {frozen.user_attrs.get('bigtrain:dir')}/log.txt). Fix the "
-                            "base config or its data and run the same command again: the failed trials stay "
-                            "recorded and the study continues."
-                        )
+                        from lightning_bigtrain.tune.tuner import failing_message
+
+                        self.stopped = failing_message(self.failed_in_a_row, number,
+                                                       str(frozen.user_attrs.get("bigtrain:reason", "")),
+                                                       self.tuner._trial_dir(number))  # fmt: skip
                 else:
                     self.failed_in_a_row = 0
             finally:

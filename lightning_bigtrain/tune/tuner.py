@@ -471,12 +471,7 @@ class Tuner:
             print(f"bigtrain tune: trial {number} failed (exit status {rc}); see {folder / 'log.txt'}", flush=True)
             self._failed_in_a_row += 1
             if self.max_failures_in_a_row is not None and self._failed_in_a_row >= self.max_failures_in_a_row:
-                last = [line for line in tail.splitlines() if line.strip()][-1:] or [""]
-                raise TrialsFailingError(
-                    f"{self._failed_in_a_row} trials in a row failed; the last (trial {number}) ended with: "
-                    f"{last[0].strip()[:300]} (see {folder / 'log.txt'}). Fix the base config or its data and run "
-                    "the same command again: the failed trials stay recorded and the study continues."
-                )
+                raise TrialsFailingError(failing_message(self._failed_in_a_row, number, tail, folder))
             return
         self._failed_in_a_row = 0
         self._tell(number, folder)
@@ -736,6 +731,16 @@ def _format(value: Any) -> str:
 
 
 # -- the planner's side -------------------------------------------------------------------------------------------
+
+
+def failing_message(count: int, number: int, reason: str, folder: Path | str) -> str:
+    """What :class:`TrialsFailingError` says: how many trials failed in a row, the last one's last line."""
+    last = [line for line in reason.splitlines() if line.strip()][-1:] or [""]
+    return (
+        f"{count} trials in a row failed; the last (trial {number}) ended with: {last[0].strip()[:300]} (see "
+        f"{Path(folder) / 'log.txt'}). Fix the base config or its data and run the same command again: the failed "
+        "trials stay recorded and the study continues."
+    )
 
 
 class _Unplannable(Exception):
