@@ -203,3 +203,40 @@ def _single_node(rank: int) -> list[str]:
 def test_hierarchical_on_one_node_warns_and_runs_flat():
     warned = run_on_ranks(_single_node, init_process_group=False)[0]
     assert any("(hierarchical=True)` has no effect with num_nodes=1" in w for w in warned), warned
+
+
+def _family(rank: int, family: str, hierarchical: bool) -> dict[str, Any]:
+    from benchmarks.conformance import FAMILIES, _build, _data
+
+    os.environ.update(LOCAL_RANK=str(rank % 2), NODE_RANK=str(rank // 2))
+    L.seed_everything(0, verbose=False)
+    model = _build(FAMILIES[family], 0)
+    trainer = L.Trainer(accelerator="cpu", devices=2, num_nodes=2, max_steps=4,
+                        strategy=CompressedDDPStrategy(PowerSGD(rank=4), hierarchical=hierarchical),
+                        limit_val_batches=0, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        enable_checkpointing=False)  # fmt: skip
+    trainer.fit(model, datamodule=_data(FAMILIES[family].data))
+    engine = trainer.strategy.compression_engine
+    assert engine is not None
+    return {"params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]), "sent": engine.sent_bytes,
+            "intra": engine.intra_bytes, "owned": sorted(engine.errors),
+            "loss": float(trainer.callback_metrics["train_loss"])}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", ["hf_gpt2", "timm_vit"])
+def test_models_we_did_not_write_train_hierarchically(family):
+    """A Hugging Face GPT-2 and a timm ViT built from configs (Conv1D layers; patch embedding, class token): over 2
+    nodes x 2 ranks the replicas stay identical, each node's error-feedback buffers are split between its ranks
+    (every parameter kept by one owner), and a node's two ranks send fewer bytes across than one rank of the flat
+    exchange."""
+    pytest.importorskip({"hf_gpt2": "transformers", "timm_vit": "timm"}[family])
+    runs = run_on_ranks(_family, family, None, world_size=4, init_process_group=False)
+    for r in runs[1:]:
+        assert torch.equal(r["params"], runs[0]["params"])
+    assert math.isfinite(runs[0]["loss"]) and runs[0]["intra"] > 0
+    for node in (runs[:2], runs[2:]):
+        owned = [set(r["owned"]) for r in node]
+        assert owned[0] and owned[1] and not owned[0] & owned[1]
+    assert set(runs[0]["owned"]) | set(runs[1]["owned"]) == set(runs[2]["owned"]) | set(runs[3]["owned"])
+    flat = run_on_ranks(_family, family, False, world_size=4, init_process_group=False)
+    assert runs[0]["sent"] + runs[1]["sent"] < flat[0]["sent"]
