@@ -158,3 +158,31 @@ def test_every_rank_takes_the_same_choice_logs_it_and_a_resumed_run_keeps_it(tmp
     for r in resumed:
         assert r["chosen"] == 0
         assert torch.equal(r["params"], full[0]["params"])
+
+
+def _family(rank: int, family: str, margin: float) -> dict[str, Any]:
+    from benchmarks.conformance import FAMILIES, _build, _data
+
+    L.seed_everything(0, verbose=False)
+    model = _build(FAMILIES[family], 0)
+    auto = AutoCompression(("fp16", "powersgd"), trial_steps=2, margin=margin)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=CompressedDDPStrategy(auto), max_steps=6,
+                        limit_val_batches=0, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        enable_checkpointing=False)  # fmt: skip
+    trainer.fit(model, datamodule=_data(FAMILIES[family].data))
+    return {"params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]), "chosen": auto.chosen,
+            "seconds": auto.step_seconds, "loss": float(trainer.callback_metrics["train_loss"])}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", ["hf_gpt2", "timm_vit"])
+def test_models_we_did_not_write_take_one_choice_on_every_rank(family):
+    """`compression="auto"` on a Hugging Face GPT-2 and a timm ViT built from configs: both candidates timed, one
+    choice agreed by the ranks (dense with a margin no compressor can beat; with no margin, the faster of the two on
+    this host, the same on both ranks), identical replicas, a finite loss."""
+    pytest.importorskip({"hf_gpt2": "transformers", "timm_vit": "timm"}[family])
+    for margin in (0.99, 0.0):
+        runs = run_on_ranks(_family, family, margin, init_process_group=False)
+        assert runs[0]["chosen"] == runs[1]["chosen"] and runs[0]["chosen"] in (0, 1), runs
+        assert margin < 0.5 or runs[0]["chosen"] == 0
+        assert runs[0]["seconds"] == runs[1]["seconds"] and len(runs[0]["seconds"]) == 2
+        assert torch.equal(runs[0]["params"], runs[1]["params"]) and torch.isfinite(torch.tensor(runs[0]["loss"]))
