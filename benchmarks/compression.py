@@ -113,6 +113,29 @@ def _compressor(method: str) -> Any:
     }[base]()
 
 
+_PLAIN: dict[str, Any] = {"track_scale": False, "preconditioned": False}  # none of OneBitAdam's guards
+#: OneBitAdam's variants by method name: (how the momentum is exchanged, OneBitAdam's keywords).
+_ONEBIT_ADAM: dict[str, tuple[str, dict[str, Any]]] = {
+    "onebit_adam": ("onebit", {}),  # the defaults
+    "onebit_adam_raw": ("onebit", {"preconditioned": False}),  # the raw momentum exchanged (as the paper)
+    "onebit_adam_powersgd": ("powersgd", {}),  # the momentum exchanged as PowerSGD(4) factors
+    "onebit_adam_q8r": ("q8", {}),  # the momentum nearly lossless: the variance's own cost
+    "onebit_adam_q8r_every2": ("q8", {"variance_refresh": 2}),  # ... and the variance refreshed every 2nd step
+    "onebit_adam_q8r_plain": ("q8", _PLAIN),
+    "onebit_adam_refresh4_4bit": ("onebit", {"variance_refresh": 4, "refresh_bits": 4}),
+    # One factor at a time, no guards: the momentum's codec x the variance's refresh.
+    "onebit_adam_every2_plain": ("onebit", {"variance_refresh": 2, **_PLAIN}),
+    "onebit_adam_q8r_every2_plain": ("q8", {"variance_refresh": 2, **_PLAIN}),
+    "onebit_adam_refresh4_4bit_plain": ("onebit", {"variance_refresh": 4, "refresh_bits": 4, **_PLAIN}),
+    "onebit_adam_q8r_refresh4_4bit_plain": ("q8", {"variance_refresh": 4, "refresh_bits": 4, **_PLAIN}),
+    "onebit_adam_refresh4_4bit_precond": (
+        "onebit",
+        {"variance_refresh": 4, "refresh_bits": 4, "track_scale": False, "preconditioned": True},
+    ),
+    "onebit_adam_block128_refresh4_4bit_plain": ("block128", {"variance_refresh": 4, "refresh_bits": 4, **_PLAIN}),
+}
+
+
 def _strategy(method: str) -> Any:
     from lightning_bigtrain.strategies import CompressedDDPStrategy
 
@@ -130,61 +153,13 @@ def _strategy(method: str) -> Any:
     if method.startswith("onebit_adam"):
         from lightning_bigtrain.compression import OneBit, OneBitAdam, PowerSGD, Quantize
 
-        if method == "onebit_adam":  # the defaults
-            return CompressedDDPStrategy(OneBitAdam())
-        if method == "onebit_adam_raw":  # the defaults, but the raw momentum exchanged (as the paper)
-            return CompressedDDPStrategy(OneBitAdam(preconditioned=False))
-        if method == "onebit_adam_powersgd":  # the defaults, the momentum exchanged as PowerSGD(4) factors
-            return CompressedDDPStrategy(OneBitAdam(compressor=PowerSGD(4)))
-        if method == "onebit_adam_q8r":  # the defaults, the momentum nearly lossless: the variance's own cost
-            return CompressedDDPStrategy(OneBitAdam(compressor=Quantize(8, error_feedback=True)))
-        if method == "onebit_adam_q8r_every2":  # near-lossless momentum, the variance refreshed every 2nd step
-            return CompressedDDPStrategy(OneBitAdam(compressor=Quantize(8, error_feedback=True), variance_refresh=2))
-        if method == "onebit_adam_q8r_every2_plain":  # a fresh variance and none of the guards: their own cost
-            return CompressedDDPStrategy(
-                OneBitAdam(
-                    compressor=Quantize(8, error_feedback=True),
-                    variance_refresh=2,
-                    track_scale=False,
-                    preconditioned=False,
-                )
-            )
-        if method == "onebit_adam_refresh4_4bit_plain":  # 1-bit momentum, a fresher 4-bit variance, no guards
-            return CompressedDDPStrategy(
-                OneBitAdam(variance_refresh=4, refresh_bits=4, track_scale=False, preconditioned=False)
-            )
-        if method == "onebit_adam_every2_plain":  # 1-bit momentum, an 8-bit variance every 2nd step, no guards
-            return CompressedDDPStrategy(OneBitAdam(variance_refresh=2, track_scale=False, preconditioned=False))
-        if method == "onebit_adam_refresh4_4bit_precond":  # as _plain, the momentum exchanged in the update's units
-            return CompressedDDPStrategy(
-                OneBitAdam(variance_refresh=4, refresh_bits=4, track_scale=False, preconditioned=True)
-            )
-        if method == "onebit_adam_block128_refresh4_4bit_plain":  # as _plain, one scale per 128 momentum entries
-            return CompressedDDPStrategy(
-                OneBitAdam(
-                    compressor=OneBit(block=128),
-                    variance_refresh=4,
-                    refresh_bits=4,
-                    track_scale=False,
-                    preconditioned=False,
-                )
-            )
-        if method == "onebit_adam_q8r_refresh4_4bit_plain":  # 8-bit momentum, a 4-bit variance every 4th, no guards
-            return CompressedDDPStrategy(
-                OneBitAdam(
-                    compressor=Quantize(8, error_feedback=True),
-                    variance_refresh=4,
-                    refresh_bits=4,
-                    track_scale=False,
-                    preconditioned=False,
-                )
-            )
-        if method == "onebit_adam_q8r_plain":  # near-lossless momentum, neither tracked scale nor preconditioning
-            return CompressedDDPStrategy(
-                OneBitAdam(compressor=Quantize(8, error_feedback=True), track_scale=False, preconditioned=False)
-            )
-        if method == "onebit_adam_refresh4_4bit":  # the defaults, the variance refreshed every 4th step from 4 bits
-            return CompressedDDPStrategy(OneBitAdam(variance_refresh=4, refresh_bits=4))
+        if method in _ONEBIT_ADAM:
+            momentum, kwargs = _ONEBIT_ADAM[method]
+            if momentum != "onebit":  # OneBitAdam's own default otherwise
+                kwargs = {**kwargs, "compressor": {"q8": lambda: Quantize(8, error_feedback=True),
+                                                   "powersgd": lambda: PowerSGD(4),
+                                                   "block128": lambda: OneBit(block=128)}[momentum]()}  # fmt: skip
+            return CompressedDDPStrategy(OneBitAdam(**kwargs))
         if method.startswith("onebit_adam_squares"):  # onebit_adam_squares<K>: the ranks' own variances every K
             every = int(method.removeprefix("onebit_adam_squares"))
             return CompressedDDPStrategy(OneBitAdam(refresh_from="squares", variance_refresh=every))

@@ -956,12 +956,14 @@ def _plan(model_or_num_params: nn.Module | int, cluster: Cluster, workload: Work
             seconds_12 = 2 * units * (dp - 1) * latency + (sent_12 / beta if dp > 1 else 0.0)
             seconds_12 += est.tensor_parallel_seconds(element, intra, latency)
             sent_12 += est.tensor_parallel_bytes(element)
+            held: dict[int, float] = {}  # what stages 1-2 hold gathered through the step
             for stage in (1, 2):
-                held = 0.0
+                held[stage] = 0.0
                 if dp > 1:
-                    held = dp_total * p_bytes + (dp * est.shard_numel_trainable if stage == 1 else local_unit) * g_bytes
-                row = PlanRow(f"zero{stage}_tp{degree}", p_dev, g_dev, s_dev, row_activations, held + row_extra, 0.0,
-                              sent_12, seconds_12, 0.0, fits=False)  # fmt: skip
+                    held[stage] = dp_total * p_bytes + (dp * est.shard_numel_trainable if stage == 1
+                                                        else local_unit) * g_bytes  # fmt: skip
+                row = PlanRow(f"zero{stage}_tp{degree}", p_dev, g_dev, s_dev, row_activations, held[stage] + row_extra,
+                              0.0, sent_12, seconds_12, 0.0, fits=False)  # fmt: skip
                 rows[row.strategy] = PlanRow(**{**row.__dict__, "fits": row.peak_bytes <= memory})
             if not est.messages:
                 notes.append(f"{name}: tensor-parallel bytes need batch_shape (left out)")
@@ -975,22 +977,17 @@ def _plan(model_or_num_params: nn.Module | int, cluster: Cluster, workload: Work
                 except Exception as err:
                     notes.append(f"{name}_sp: not estimated ({type(err).__name__}: {err})")
                 else:
-                    sent_sp = sent - est.tensor_parallel_bytes(element) + est.tensor_parallel_bytes(element, True)
-                    seconds_sp = (seconds - est.tensor_parallel_seconds(element, intra, latency)
-                                  + est.tensor_parallel_seconds(element, intra, latency, True))  # fmt: skip
-                    row = PlanRow(f"{name}_sp", p_dev, g_dev, s_dev, plain_sp, gathered_units + working_sp - plain_sp,
-                                  0.0, sent_sp, seconds_sp, 0.0, fits=False)  # fmt: skip
-                    rows[row.strategy] = PlanRow(**{**row.__dict__, "fits": row.peak_bytes <= memory})
-                    # ZeRO-1/2 with sequence parallelism: their data-axis traffic and holdings, its activations.
-                    tp_swap = est.tensor_parallel_bytes(element, True) - est.tensor_parallel_bytes(element)
-                    tp_swap_s = (est.tensor_parallel_seconds(element, intra, latency, True)
-                                 - est.tensor_parallel_seconds(element, intra, latency))  # fmt: skip
-                    for stage in (1, 2):
-                        base12 = rows[f"zero{stage}_tp{degree}"]
-                        held = base12.transient_bytes - row_extra
-                        row = PlanRow(f"zero{stage}_tp{degree}_sp", p_dev, g_dev, s_dev, plain_sp,
-                                      held + working_sp - plain_sp, 0.0, sent_12 + tp_swap, seconds_12 + tp_swap_s,
-                                      0.0, fits=False)  # fmt: skip
+                    # Every stage's row with sequence parallelism's collectives instead of the all-reduces, and its
+                    # activations; what each stage holds for the data axis is unchanged.
+                    swap = est.tensor_parallel_bytes(element, True) - est.tensor_parallel_bytes(element)
+                    swap_s = (est.tensor_parallel_seconds(element, intra, latency, True)
+                              - est.tensor_parallel_seconds(element, intra, latency))  # fmt: skip
+                    extra_sp = working_sp - plain_sp
+                    for stage, holds, sent_s, seconds_s in ((3, gathered_units, sent, seconds),
+                                                            (1, held[1], sent_12, seconds_12),
+                                                            (2, held[2], sent_12, seconds_12)):  # fmt: skip
+                        row = PlanRow(f"zero{stage}_tp{degree}_sp", p_dev, g_dev, s_dev, plain_sp, holds + extra_sp,
+                                      0.0, sent_s + swap, seconds_s + swap_s, 0.0, fits=False)  # fmt: skip
                         rows[row.strategy] = PlanRow(**{**row.__dict__, "fits": row.peak_bytes <= memory})
     if isinstance(model_or_num_params, nn.Module) and n > 1:
         for degree in [d for d in range(2, n + 1) if n % d == 0]:
