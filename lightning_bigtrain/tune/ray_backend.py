@@ -27,9 +27,12 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from lightning_bigtrain.warnings import NoEffectWarning
 
 __all__ = ["BACKENDS", "RayOptions", "parse_backend", "run_on_ray"]
 
@@ -244,6 +247,28 @@ def _ray_trial(config: dict[str, Any], tuner: Any, cwd: str) -> None:
     tune.report(report)
 
 
+def _joins(options: RayOptions, initialized: bool) -> str | None:
+    """The Ray the study joins (None: a local one started for it), warning about the options that then do nothing."""
+    joins = "this process's Ray" if initialized else None
+    if joins is None and (options.address is not None or os.environ.get("RAY_ADDRESS")):
+        joins = f"the Ray cluster at {options.address or os.environ['RAY_ADDRESS']!r}"
+    if joins is not None and options.num_cpus is not None:
+        warnings.warn(
+            f"`backend.num_cpus={options.num_cpus}` has no effect: the study joins {joins}, whose CPUs are its own; "
+            "it sizes a local Ray started for the study only.",
+            NoEffectWarning,
+            stacklevel=3,
+        )
+    if initialized and options.address is not None:
+        warnings.warn(
+            f"`backend.address={options.address!r}` has no effect: this process already joined a Ray cluster "
+            "(ray.init was called before), and the study runs there.",
+            NoEffectWarning,
+            stacklevel=3,
+        )
+    return joins
+
+
 def _remembering(handler: Any, received: list[int]) -> Any:
     def on_signal(signum: int, frame: Any) -> Any:
         received.append(signum)
@@ -263,9 +288,10 @@ def run_on_ray(tuner: Any, target: int) -> Any:
     options: RayOptions = tuner.backend_options
     started = False
     received: list[int] = []  # a signal the caller's handler took while Ray waited
+    joins = _joins(options, ray.is_initialized())
     if not ray.is_initialized():
         kwargs: dict[str, Any] = {"address": options.address, "include_dashboard": False, "log_to_driver": False}
-        if options.address is None and not os.environ.get("RAY_ADDRESS"):
+        if joins is None:
             kwargs["num_cpus"] = options.num_cpus
         # Ray installs its own SIGTERM handler (it logs and aborts); keep the caller's, which `bigtrain tune` uses to
         # stop the trials' fits and free their locks on the way out.

@@ -47,6 +47,27 @@ def test_resources_per_trial_follow_the_fit_config():
         RayOptions().resources({"accelerator": "cpu", "devices": "auto"})
 
 
+def test_options_that_cannot_act_warn(monkeypatch):
+    import warnings
+
+    from lightning_bigtrain.tune.ray_backend import _joins
+    from lightning_bigtrain.warnings import NoEffectWarning
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _joins(RayOptions(num_cpus=2), initialized=False) is None  # a local Ray, sized by num_cpus: silent
+    with pytest.warns(NoEffectWarning, match=r"backend\.num_cpus=2.*'auto'"):
+        _joins(RayOptions(address="auto", num_cpus=2), initialized=False)
+    with pytest.warns(NoEffectWarning, match=r"backend\.num_cpus=2.*this process's Ray"):
+        _joins(RayOptions(num_cpus=2), initialized=True)
+    with pytest.warns(NoEffectWarning, match=r"backend\.address='auto'.*already joined"):
+        _joins(RayOptions(address="auto"), initialized=True)
+    monkeypatch.setenv("RAY_ADDRESS", "ray://head:10001")
+    with pytest.warns(NoEffectWarning, match="ray://head:10001"):
+        _joins(RayOptions(num_cpus=2), initialized=False)
+
+
 def test_cli_backend_keeps_the_configs_ray_options(tmp_path):
     path = _write_tune(tmp_path, _base(), backend={"name": "ray", "max_concurrent_trials": 2})
     assert Tuner.from_yaml(path, backend="ray").backend_options.max_concurrent_trials == 2
