@@ -345,6 +345,12 @@ BLOCKS: dict[str, Block] = {
             ("compression_auto.json",),
         ),
         Block(
+            "compression-onebit-adam",
+            _module("benchmarks.compression", "render_onebit_adam_link_block"),
+            ("docs/compression.md",),
+            ("compression_onebit_adam.json",),
+        ),
+        Block(
             "compression-nodes",
             _module("benchmarks.compression", "render_nodes_block"),
             ("docs/compression.md",),

@@ -30,7 +30,7 @@ from lightning_bigtrain.callbacks import (
     RunReport,
     StructuredPruning,
 )
-from lightning_bigtrain.compression import Cast, OneBit, PowerSGD, Quantize, TopK
+from lightning_bigtrain.compression import AutoCompression, Cast, OneBit, PowerSGD, Quantize, TopK
 from lightning_bigtrain.data import FashionMNISTDataModule, ShakespeareDataModule
 from lightning_bigtrain.models import CharGPT, FashionCNN
 from lightning_bigtrain.plugins import BF16Precision
@@ -448,6 +448,12 @@ SETTINGS: tuple[Setting, ...] = (
             replicated_twin=_OneReplicaDDP),
     Setting(name="pp2_gpt", model=_tiny_gpt, data=_tiny_shakespeare,
             trainer_kwargs=_model_parallel(pipeline_parallel=2), replicated_twin=_OneReplicaDDP),
+    # compression="auto": timed trials first (a 16-bit all-reduce, then PowerSGD), then one exchange for the run; the
+    # trials' progress, times and choice are checkpointed per rank, so a kill inside a trial resumes it. margin=0.99
+    # makes the choice the dense one whatever the timings: a row must end the same way in every run.
+    Setting(name="ddp_auto_gpt", model=_tiny_gpt, data=_tiny_shakespeare,
+            trainer_kwargs=lambda: {"strategy": CompressedDDPStrategy(
+                AutoCompression(("fp16", PowerSGD(rank=2)), trial_steps=2, margin=0.99))}),
 )  # fmt: skip
 
 
