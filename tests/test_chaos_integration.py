@@ -31,6 +31,19 @@ def test_killed_and_resumed_runs_end_bit_identical(setting, seed, tmp_path):
     assert result.identical, f"max |difference| {result.max_abs_diff}"
 
 
+def test_a_job_of_two_nodes_is_killed_whole_by_a_fault_on_the_second_node(tmp_path):
+    """2 "nodes" x 2 ranks (the hierarchical compressed exchange): a fault inside a step on global rank 2, which
+    lives in node 1's process tree, takes node 0 down too, and the relaunch ends bit-identical on all 4 ranks."""
+    result = run_chaos("ddp_hier_powersgd_gpt", tmp_path, faults=[("step", 4, 2)])
+    assert result.returncodes == [-signal.SIGKILL, 0], result.returncodes
+    assert result.resumed_from[1] == 4 and result.mid_epoch_resumes == 1  # 3 steps per epoch: step 4 is mid-epoch
+    for node in (0, 1):
+        log = (tmp_path / "chaos" / f"log-0-node{node}.txt").read_text()
+        assert "Traceback" not in log, log[-2000:]
+    assert len(list((tmp_path / "chaos").glob("final-1-rank*.pt"))) == 4
+    assert result.identical, f"max |difference| {result.max_abs_diff}"
+
+
 def test_sigterm_checkpoints_exits_75_and_the_relaunch_continues_exactly(tmp_path):
     ref, run = tmp_path / "ref", tmp_path / "run"
     ref.mkdir()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 
 import lightning as L
 import pytest
@@ -115,7 +116,9 @@ def _replicated_twin(strategy: object) -> object:
 
 def _fit_and_resume(rank: int, name: str, ckpt_dir: str, perturb: bool = False) -> dict:
     setting = by_name(name)
-    kwargs = dict(limit_train_batches=3, limit_val_batches=1, **_COMMON)
+    kwargs = dict(limit_train_batches=3, limit_val_batches=1, num_nodes=setting.num_nodes, **_COMMON)
+    if setting.num_nodes > 1:  # this rank's place among the "nodes" of 2 ranks
+        os.environ.update(LOCAL_RANK=str(rank % 2), NODE_RANK=str(rank // 2))
 
     def run(stop_after: int | None, ckpt_path: str | None, replicated: bool = False, extra_callbacks=()):
         L.seed_everything(0, verbose=False)
@@ -161,12 +164,14 @@ def replica_problems(results: list[dict], ddp_atol: float, mask_slack: float = 0
     at stage 1, whose parameters are replicas (and checked as such in their own rows; tensor- and pipeline-parallel
     rows against DDP ranks that all step on the same batches)."""
     problems = []
-    first, second = results[0]["replicas"], results[1]["replicas"]
-    if first.keys() != second.keys() and not results[0]["pipelined"]:  # a pipeline stage holds its own blocks
-        problems.append(f"ranks replicate different parameters: {sorted(first.keys() ^ second.keys())}")
-    problems += [
-        f"replica {n} differs between ranks" for n in first if n in second and not torch.equal(first[n], second[n])
-    ]
+    first = results[0]["replicas"]
+    for other in results[1:]:
+        second = other["replicas"]
+        if first.keys() != second.keys() and not results[0]["pipelined"]:  # a pipeline stage holds its own blocks
+            problems.append(f"ranks replicate different parameters: {sorted(first.keys() ^ second.keys())}")
+        problems += [
+            f"replica {n} differs between ranks" for n in first if n in second and not torch.equal(first[n], second[n])
+        ]
     for r in results:
         if r["sharded"]:
             names = list(r["weights"])  # what this rank holds, each against the twin's same parameter
@@ -185,7 +190,9 @@ def replica_problems(results: list[dict], ddp_atol: float, mask_slack: float = 0
 def test_fits_with_identical_replicas_and_resumes_where_the_uninterrupted_run_ends(setting, tmp_path):
     """One spawn per row (process start-up dominates a tiny fit): a 2-epoch fit on 2 ranks, then the same run
     stopped after epoch 1 and resumed from its checkpoint; rows with sharded parameters also run at stage 1."""
-    results = run_on_ranks(_fit_and_resume, setting.name, str(tmp_path), init_process_group=False)
+    results = run_on_ranks(
+        _fit_and_resume, setting.name, str(tmp_path), world_size=2 * setting.num_nodes, init_process_group=False
+    )
     for r in results:
         assert math.isfinite(r["loss"])
         torch.testing.assert_close(r["resumed"], r["uninterrupted"], rtol=0, atol=setting.resume_atol)

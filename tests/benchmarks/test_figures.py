@@ -139,6 +139,11 @@ def test_spot_checks_recomputed_from_the_json():
     link = _load("compression.json")["figures"]["links"]["100mbit"]["gpt"]["methods"]
     assert times(link["torch_fp16"]["step_s"] / link["powersgd"]["step_s"]) in render("compression")
 
+    adam = _load("compression_onebit_adam.json")["figures"]["links"]["100mbit"]["gpt"]["methods"]
+    adam_line = next(line for line in render("compression-onebit-adam").splitlines() if line.startswith("| 100mbit"))
+    assert f"| {times(adam['torch_fp16']['step_s'] / adam['onebit_adam']['step_s'])} |" in adam_line  # the mean step
+    assert f"({sig(adam['onebit_adam']['step_s_median'])} s)" in adam_line
+
     quality = _load("compression.json")["figures"]["quality"]
     q_block = render("compression-quality")
     gpt_line = next(line for line in q_block.splitlines() if line.startswith("| gpt"))

@@ -1,9 +1,11 @@
 """Chaos harness: a 2-rank fit killed at seeded fault points, relaunched with auto-resume, compared bit for bit.
 
 A *job* is one ``python -m tests.helpers.chaos ...`` process tree: rank 0 runs the script and Lightning's
-subprocess launcher starts rank 1 from it, in the same process group. A fault takes the **whole job** down
-with ``SIGKILL`` on the process group (as a scheduler would), at one of the named points of the global step
-it is set for:
+subprocess launcher starts rank 1 from it, in the same process group. A row of several "nodes"
+(``Setting.num_nodes``) is a job whose first process starts one such launch per node, on this host, all in the
+job's process group. A fault takes
+the **whole job** down with ``SIGKILL`` on the process group (as a scheduler would), at one of the named points of
+the global step it is set for, on the (global) rank it names:
 
 * ``batch_start``: a training batch is fetched, nothing computed yet;
 * ``step``: inside the step, after backward and before the optimizer step;
@@ -77,7 +79,9 @@ def _job(args: argparse.Namespace) -> int:
     from tests.helpers.settings import by_name
 
     torch.set_num_threads(1)
-    rank = int(os.environ.get("LOCAL_RANK", 0))
+    # The global rank (a launch of several nodes sets NODE_RANK; Lightning sets LOCAL_RANK for the ranks it starts).
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    rank = int(os.environ.get("NODE_RANK", 0)) * args.devices + local_rank
     fault = None
     if args.fault:
         point, step, fault_rank = args.fault.split("@")
@@ -102,7 +106,7 @@ def _job(args: argparse.Namespace) -> int:
             self._maybe(trainer, "step")
 
         def on_train_batch_end(self, trainer: L.Trainer, *a: Any) -> None:
-            if args.sigterm is not None and trainer.global_step == args.sigterm and rank == 1:
+            if args.sigterm is not None and trainer.global_step == args.sigterm and local_rank == 1:
                 os.kill(os.getppid(), signal.SIGTERM)  # the launcher (rank 0's process) is told to stop
 
     chaos = Chaos()
@@ -125,7 +129,7 @@ def _job(args: argparse.Namespace) -> int:
     callbacks += [chaos, ModelCheckpoint(dirpath=args.ckpt_dir, every_n_train_steps=args.every, save_last=True)]
     from tests.test_settings_integration import _COMMON, _flat_state
 
-    common = {**_COMMON, "devices": args.devices}
+    common = {**_COMMON, "devices": args.devices, "num_nodes": setting.num_nodes}
     trainer = L.Trainer(max_epochs=args.epochs, limit_val_batches=0, **common, **extra)
     trainer.fit(model, datamodule=setting.data(), ckpt_path="last")
 
@@ -217,9 +221,11 @@ def launch(
     timeout: float = 600,
     extra: tuple[str, ...] = (),
     kill_after: float | None = None,
+    nodes: int = 1,
 ) -> int:
     """One job; returns its status (``-9`` when a fault killed it). ``kill_after``: SIGKILL the whole job after
-    that many seconds (a kill at a random moment), unless it finished before."""
+    that many seconds (a kill at a random moment), unless it finished before. ``nodes``: the job starts one process per
+    "node" on this host (:func:`_nodes`; they meet at a free local port), all in the job's process group."""
     cmd = [sys.executable, "-m", "tests.helpers.chaos", *extra, "--setting", setting, "--out", str(workdir),
            "--ckpt-dir", str(workdir / "ckpt"), "--launch", launch_id, "--epochs", str(epochs),
            "--every", str(every), "--devices", str(devices)]  # fmt: skip
@@ -231,6 +237,9 @@ def launch(
     env = {k: v for k, v in os.environ.items() if k not in _RENDEZVOUS}
     # PYTHONFAULTHANDLER: a job that aborts (SIGABRT, e.g. at interpreter exit) dumps every Python thread to its log.
     env.update(PYTHONPATH=str(_REPO), PYTHONWARNINGS="ignore", PYTHONFAULTHANDLER="1")
+    if nodes > 1:  # the job is a launcher of one process per node (see `_nodes`), meeting at a free local port
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(nodes * devices))
+        cmd += ["--nodes", str(nodes)]
     with open(workdir / f"log-{launch_id}.txt", "w") as log:
         proc = subprocess.Popen(cmd, cwd=_REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
@@ -247,6 +256,28 @@ def launch(
             proc.wait()
 
 
+def _nodes(argv: list[str], nodes: int, out: str, launch_id: str) -> int:
+    """A job of several "nodes" on this host: one process per node (``NODE_RANK``; Lightning starts each node's
+    other ranks), all in this process's group, so that a fault's ``killpg`` or the harness's takes every node down.
+    Returns the first status that is not 0, else 0."""
+    procs = []
+    for node in range(nodes):
+        with open(Path(out, f"log-{launch_id}-node{node}.txt"), "w") as log:
+            env = {**os.environ, "NODE_RANK": str(node)}
+            procs.append(subprocess.Popen([sys.executable, "-m", "tests.helpers.chaos", *argv], cwd=_REPO, env=env,
+                                          stdout=log, stderr=subprocess.STDOUT))  # fmt: skip
+    codes = [p.wait() for p in procs]
+    return next((c for c in codes if c), 0)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 def schedule(
     seed: int,
     kills: int,
@@ -254,9 +285,11 @@ def schedule(
     every: int,
     steps_per_epoch: int = 3,
     points: tuple[str, ...] = POINTS,
+    world: int = 2,
 ) -> list[tuple[str, int, int]]:
-    """Seeded faults at increasing steps: (point, global step, rank). Save faults fall on checkpoint steps, and at
-    least one fault makes the next job resume from a mid-epoch checkpoint (the seed is advanced until one does)."""
+    """Seeded faults at increasing steps: (point, global step, rank of ``world``; save faults on rank 0). Save faults
+    fall on checkpoint steps, and at least one fault makes the next job resume from a mid-epoch checkpoint (the seed
+    is advanced until one does)."""
     for attempt in range(100):
         rng = random.Random(seed * 100 + attempt)
         faults: list[tuple[str, int, int]] = []
@@ -267,7 +300,7 @@ def schedule(
                 if any(f[1] >= step for f in faults):
                     point = "step"
                     step = max(step, *(f[1] + 1 for f in faults))
-            rank = 0 if point in _SAVE_POINTS else rng.randrange(2)
+            rank = 0 if point in _SAVE_POINTS else rng.randrange(world)
             faults.append((point, step, rank))
         resumes = [_resumes_from(f, every) for f in faults]
         if any(r > 0 and r % steps_per_epoch for r in resumes):
@@ -283,10 +316,10 @@ def _resumes_from(fault: tuple[str, int, int], every: int) -> int:
     return step - step % every
 
 
-def _final(workdir: Path, launch_id: str) -> list[Any]:
+def _final(workdir: Path, launch_id: str, world: int = 2) -> list[Any]:
     import torch
 
-    return [torch.load(workdir / f"final-{launch_id}-rank{r}.pt") for r in range(2)]
+    return [torch.load(workdir / f"final-{launch_id}-rank{r}.pt") for r in range(world)]
 
 
 def run_chaos(
@@ -306,28 +339,35 @@ def run_chaos(
     it falls), then a job that finishes; final states compared."""
     import torch
 
+    from tests.helpers.settings import by_name
+
+    nodes = by_name(setting).num_nodes
     t0 = time.perf_counter()
     ref_dir = workdir / "reference"
     ref_dir.mkdir(parents=True, exist_ok=True)
     notes: list[str] = []
     started = time.perf_counter()
-    if launch(setting, ref_dir, "ref", epochs=epochs, every=every) != 0:
+    if launch(setting, ref_dir, "ref", epochs=epochs, every=every, nodes=nodes) != 0:
         raise RuntimeError(f"uninterrupted run of {setting} failed: {(ref_dir / 'log-ref.txt').read_text()[-3000:]}")
     run_dir = workdir / "chaos"
     run_dir.mkdir(parents=True, exist_ok=True)
     wall = time.perf_counter() - started
-    faults = faults if faults is not None else schedule(seed, kills, epochs * steps_per_epoch, every, steps_per_epoch)
+    faults = (
+        faults
+        if faults is not None
+        else schedule(seed, kills, epochs * steps_per_epoch, every, steps_per_epoch, world=2 * nodes)
+    )
     rng = random.Random(seed)
     delays = [round(rng.uniform(0.4, 0.95) * wall, 2) for _ in range(timed)]
     jobs: list[tuple[str, int, int] | float | None] = [*faults, *delays, None]
     rcs, resumed = [], []
     for i, job in enumerate(jobs):
         if isinstance(job, float):
-            rc = launch(setting, run_dir, str(i), epochs=epochs, every=every, kill_after=job)
+            rc = launch(setting, run_dir, str(i), epochs=epochs, every=every, kill_after=job, nodes=nodes)
             if rc != -signal.SIGKILL:
                 notes.append(f"the job finished before its kill at {job} s")
         else:
-            rc = launch(setting, run_dir, str(i), fault=job, epochs=epochs, every=every)
+            rc = launch(setting, run_dir, str(i), fault=job, epochs=epochs, every=every, nodes=nodes)
             if job is not None and rc != -signal.SIGKILL:
                 notes.append(f"fault {job} did not kill the job (status {rc})")
         rcs.append(rc)
@@ -338,8 +378,8 @@ def run_chaos(
         raise RuntimeError(
             f"final run of {setting} failed: {(run_dir / f'log-{len(jobs) - 1}.txt').read_text()[-3000:]}"
         )
-    ref = _final(ref_dir, "ref")
-    out = _final(run_dir, str(len(jobs) - 1))
+    ref = _final(ref_dir, "ref", 2 * nodes)
+    out = _final(run_dir, str(len(jobs) - 1), 2 * nodes)
     pairs = list(zip(ref, out, strict=True))
     identical = all(torch.equal(a["state"], b["state"]) and a["step"] == b["step"] for a, b in pairs)
     diff = max(float((a["state"] - b["state"]).abs().max()) for a, b in pairs)
@@ -363,7 +403,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-steps", type=int, default=-1)
     parser.add_argument("--streaming", default=None, help="data job: a StreamingDataset URL of the sample ids")
     parser.add_argument("--kill-at", type=int, default=-1, help="data job: SIGKILL the job at this global step")
+    parser.add_argument("--nodes", type=int, default=1, help="launch this many node processes (a row's num_nodes)")
     args = parser.parse_args(argv)
+    if args.nodes > 1:
+        rest = list(sys.argv[1:] if argv is None else argv)
+        i = rest.index("--nodes")
+        return _nodes(rest[:i] + rest[i + 2 :], args.nodes, args.out, args.launch)
     return _data_job(args) if args.data_job else _job(args)
 
 

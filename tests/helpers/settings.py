@@ -76,6 +76,8 @@ class Setting:
             near-ties may fall on either side); the other weights are held to ``ddp_atol``.
         replicated_twin: The replicated strategy to compare a sharded row with, where the same engine at stage 1
             cannot run the row (movement pruning needs whole averaged gradients: DDP).
+        num_nodes: "Nodes" of 2 ranks each the row runs on (``Trainer(num_nodes=..., devices=2)``, every node on
+            this host): rows whose feature acts across nodes.
     """
 
     name: str
@@ -87,6 +89,7 @@ class Setting:
     ddp_atol: float = 2e-5
     mask_slack: float = 0.0
     replicated_twin: Callable[[], Any] | None = None
+    num_nodes: int = 1
 
 
 def _tiny_cnn() -> FashionCNN:
@@ -111,6 +114,11 @@ def _tiny_gpt_dropout() -> CharGPT:
 
 def _tiny_shakespeare() -> ShakespeareDataModule:
     return ShakespeareDataModule(block_size=32, batch_size=8, subset=48)
+
+
+def _tiny_shakespeare_4_ranks() -> ShakespeareDataModule:
+    """The same 3 batches per rank and epoch over 4 ranks."""
+    return ShakespeareDataModule(block_size=32, batch_size=8, subset=96)
 
 
 def _teacher(build: Callable[[], L.LightningModule]) -> L.LightningModule:
@@ -454,6 +462,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(name="ddp_auto_gpt", model=_tiny_gpt, data=_tiny_shakespeare,
             trainer_kwargs=lambda: {"strategy": CompressedDDPStrategy(
                 AutoCompression(("fp16", PowerSGD(rank=2)), trial_steps=2, margin=0.99))}),
+    # The hierarchical exchange: 2 "nodes" x 2 ranks, dense within a node, PowerSGD across nodes by each parameter's
+    # owner; the owners' error buffers and factors are checkpointed per rank.
+    Setting(name="ddp_hier_powersgd_gpt", model=_tiny_gpt, data=_tiny_shakespeare_4_ranks, num_nodes=2,
+            trainer_kwargs=lambda: {"strategy": CompressedDDPStrategy(PowerSGD(rank=2))}),
 )  # fmt: skip
 
 
