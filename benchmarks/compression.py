@@ -804,9 +804,9 @@ def render_onebit_adam_link_block(results_dir: Path = RESULTS_DIR, name: str = "
         "the char-GPT. `OneBitAdam()` with its defaults: its dense warm-up (15% of the run) ends where the timing "
         "starts, then two whole refresh cycles of the compressed phase are timed (7 steps of 1-bit momentum and one "
         "of 8-bit gradients each) and its step is their mean; the others' is the median of their timed steps. "
-        "Speed-ups over "
-        "torch's `fp16_compress_hook` (> 1: faster); bytes: an fp32 all-reduce's over what the rank sent in the timed "
-        "steps, counted by the strategy. The median of OneBitAdam's timed steps is that of its 1-bit steps.",
+        "Speed-ups over torch's `fp16_compress_hook` (> 1: faster); bytes: an fp32 all-reduce's over what the rank "
+        "sent in the timed steps, counted by the strategy. The median of OneBitAdam's timed steps is that of its "
+        "1-bit steps.",
         "",
         "| link | torch fp16 hook: step s | fp32 DDP | Cast(fp16) | PowerSGD(4) | OneBitAdam: step s (median) | "
         "OneBitAdam vs fp16 hook | OneBitAdam bytes fewer | rounds |",

@@ -107,10 +107,20 @@ class _StopAt(L.Callback):
             trainer.should_stop = True
 
 
-def _fit(rank: int, root: str, margin: float, stop_at: int | None, resume: str | None) -> dict[str, Any]:
+class _CompressedWins(AutoCompression):
+    """Its dense trial timed 10x slower than it ran: the compressed choice whatever this host's timings (a run that
+    must end the same way twice cannot depend on them)."""
+
+    def record(self, seconds: float, engine: Any, device: torch.device) -> bool:
+        return super().record(seconds * 10 if self.active is self.candidates[0] else seconds, engine, device)
+
+
+def _fit(
+    rank: int, root: str, margin: float, stop_at: int | None, resume: str | None, compressed: bool = False
+) -> dict[str, Any]:
     L.seed_everything(0, verbose=False)
     logger = _MetricsLogger()
-    auto = AutoCompression(("fp16", "powersgd"), trial_steps=3, margin=margin)
+    auto = (_CompressedWins if compressed else AutoCompression)(("fp16", "powersgd"), trial_steps=3, margin=margin)
     checkpoint = L.pytorch.callbacks.ModelCheckpoint(dirpath=root, save_top_k=-1, every_n_train_steps=4)
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=CompressedDDPStrategy(auto), max_steps=10,
                         limit_val_batches=0, logger=logger, log_every_n_steps=1, enable_progress_bar=False,
@@ -157,6 +167,23 @@ def test_every_rank_takes_the_same_choice_logs_it_and_a_resumed_run_keeps_it(tmp
     assert [len(r["logged"]) for r in resumed] == [1, 0], resumed  # rank 0 logs
     for r in resumed:
         assert r["chosen"] == 0
+        assert torch.equal(r["params"], full[0]["params"])
+
+
+def test_a_run_resumed_after_a_compressed_choice_keeps_it_and_its_error_feedback(tmp_path: Path):
+    """The choice PowerSGD: stopped at step 8 (after the choice), resumed from that checkpoint, the run keeps
+    PowerSGD without new trials and ends bit-identical to the uninterrupted one -- which needs each rank's error
+    buffers and PowerSGD's warm-start factors back from the checkpoint."""
+    full = run_on_ranks(_fit, str(tmp_path / "a"), 0.1, None, None, True, init_process_group=False)
+    for r in full:
+        assert r["chosen"] == 1 and r["steps"] == 10
+        assert r["dense"] / r["sent"] > 3  # PowerSGD from step 4 on: fewer bytes than fp16 alone (2x)
+    assert torch.equal(full[0]["params"], full[1]["params"])
+    run_on_ranks(_fit, str(tmp_path / "b"), 0.1, 8, None, True, init_process_group=False)
+    ckpt = str(tmp_path / "b" / "epoch=0-step=8.ckpt")
+    resumed = run_on_ranks(_fit, str(tmp_path / "b"), 0.1, None, ckpt, True, init_process_group=False)
+    for r in resumed:
+        assert r["chosen"] == 1 and r["logged"] == []
         assert torch.equal(r["params"], full[0]["params"])
 
 
