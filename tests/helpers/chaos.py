@@ -3,9 +3,8 @@
 A *job* is one ``python -m tests.helpers.chaos ...`` process tree: rank 0 runs the script and Lightning's
 subprocess launcher starts rank 1 from it, in the same process group. A row of several "nodes"
 (``Setting.num_nodes``) is a job whose first process starts one such launch per node, on this host, all in the
-job's process group. A fault takes
-the **whole job** down with ``SIGKILL`` on the process group (as a scheduler would), at one of the named points of
-the global step it is set for, on the (global) rank it names:
+job's process group. A fault takes the **whole job** down with ``SIGKILL`` on the process group (as a scheduler
+would), at one of the named points of the global step it is set for, on the (global) rank it names:
 
 * ``batch_start``: a training batch is fetched, nothing computed yet;
 * ``step``: inside the step, after backward and before the optimizer step;
@@ -259,15 +258,25 @@ def launch(
 def _nodes(argv: list[str], nodes: int, out: str, launch_id: str) -> int:
     """A job of several "nodes" on this host: one process per node (``NODE_RANK``; Lightning starts each node's
     other ranks), all in this process's group, so that a fault's ``killpg`` or the harness's takes every node down.
-    Returns the first status that is not 0, else 0."""
+    Returns 0 when every node ends with 0; when one fails, the others (which would wait for it) are killed and its
+    status is returned."""
     procs = []
     for node in range(nodes):
         with open(Path(out, f"log-{launch_id}-node{node}.txt"), "w") as log:
             env = {**os.environ, "NODE_RANK": str(node)}
             procs.append(subprocess.Popen([sys.executable, "-m", "tests.helpers.chaos", *argv], cwd=_REPO, env=env,
                                           stdout=log, stderr=subprocess.STDOUT))  # fmt: skip
-    codes = [p.wait() for p in procs]
-    return next((c for c in codes if c), 0)
+    while True:
+        codes = [p.poll() for p in procs]
+        failed = next((c for c in codes if c), None)
+        if failed is not None:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+            return failed
+        if all(c == 0 for c in codes):
+            return 0
+        time.sleep(0.2)
 
 
 def _free_port() -> int:
