@@ -135,7 +135,6 @@ _ONEBIT_ADAM: dict[str, tuple[str, dict[str, Any]]] = {
     "onebit_adam_block128_refresh4_4bit_plain": ("block128", {"variance_refresh": 4, "refresh_bits": 4, **_PLAIN}),
     # The momentum as low-rank factors, which leaves bytes for a fresher variance than 1 bit does.
     "onebit_adam_psgd8_refresh4_4bit_plain": ("powersgd8", {"variance_refresh": 4, "refresh_bits": 4, **_PLAIN}),
-    "onebit_adam_psgd4_refresh3_4bit_plain": ("powersgd", {"variance_refresh": 3, "refresh_bits": 4, **_PLAIN}),
     "onebit_adam_topk2_refresh4_4bit_plain": ("topk2", {"variance_refresh": 4, "refresh_bits": 4, **_PLAIN}),
 }
 
@@ -801,9 +800,10 @@ def render_onebit_adam_link_block(results_dir: Path = RESULTS_DIR, name: str = "
     lines = [measured_line(results, name, results_dir), ""]
     lines += [
         "Two network namespaces joined by a shaped veth pair, one rank in each (the link benchmark under Measured); "
-        "the char-GPT. `OneBitAdam()` with its defaults: its dense warm-up (15% of the run) ends where the timing "
-        "starts, then two whole refresh cycles of the compressed phase are timed (7 steps of 1-bit momentum and one "
-        "of 8-bit gradients each) and its step is their mean; the others' is the median of their timed steps. "
+        f"the char-GPT. `OneBitAdam()` with its defaults ({results['config']['method_labels']['onebit_adam']}): "
+        "its dense warm-up ends where the timing starts, then two whole refresh cycles of the compressed phase are "
+        "timed (the refresh step exchanges 8-bit gradients instead of the 1-bit momentum) and its step is their "
+        "mean; the others' is the median of their timed steps. "
         "Speed-ups over torch's `fp16_compress_hook` (> 1: faster); bytes: an fp32 all-reduce's over what the rank "
         "sent in the timed steps, counted by the strategy. The median of OneBitAdam's timed steps is that of its "
         "1-bit steps.",
