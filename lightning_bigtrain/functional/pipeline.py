@@ -173,9 +173,11 @@ class StageOutput(BaseException):
 class StageInput(BaseException):
     """Raised by :class:`PipelinedBlocks` in a probe: the blocks' input, to learn its shape and dtype."""
 
-    def __init__(self, hidden: torch.Tensor) -> None:
+    def __init__(self, hidden: torch.Tensor, rest: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> None:
         super().__init__("pipeline stage input")
         self.hidden = hidden
+        self.rest = rest  # the call's other arguments, for a probe of the blocks themselves
+        self.kwargs = kwargs or {}
 
 
 @dataclass
@@ -280,10 +282,21 @@ class PipelinedBlocks(nn.Module):
             )
         hidden, rest = args[0], args[1:]
         if run.probe:
-            raise StageInput(hidden)
+            raise StageInput(hidden, rest, kwargs)
         x = hidden if run.incoming is None else run.incoming
+        out = self._run_blocks(run.names, x, rest, kwargs, run.meta)
+        if not run.last:
+            raise StageOutput(out[0] if isinstance(out, (tuple, list)) else out)
+        return out
+
+    def _run_blocks(
+        self, names: Sequence[str], x: torch.Tensor, rest: tuple[Any, ...], kwargs: dict[str, Any],
+        meta: tuple[torch.Size, torch.dtype] | None,
+    ) -> Any:  # fmt: skip
+        """Run the blocks ``names`` in order from ``x``; each must return the hidden state (or a tuple of it and
+        non-tensors) of ``meta``'s shape and dtype. Refusals are ValueError/TypeError naming the reason."""
         out: Any = x
-        for name in run.names:
+        for name in names:
             out = self._modules[name](x, *rest, **kwargs)  # type: ignore[misc]
             x = out[0] if isinstance(out, (tuple, list)) else out
             if isinstance(out, (tuple, list)) and any(isinstance(o, torch.Tensor) for o in out[1:]):
@@ -293,16 +306,42 @@ class PipelinedBlocks(nn.Module):
                     "give them to the next block, but the stages pass only the hidden state. Switch the extra outputs "
                     "off (use_cache=False), or use tensor_parallel / ZeRO for this model."
                 )
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"`{self.container}`'s blocks must return a tensor (or a tuple starting with one).")
-        if run.meta is not None and (x.shape, x.dtype) != run.meta:
-            raise ValueError(
-                f"pipeline_parallel: `{self.container}`'s blocks changed the hidden state from {tuple(run.meta[0])} "
-                f"{run.meta[1]} to {tuple(x.shape)} {x.dtype}; the stages pass one shape and dtype between them."
-            )
-        if not run.last:
-            raise StageOutput(x)
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"`{self.container}`'s blocks must return a tensor (or a tuple starting with one).")
+            if meta is not None and (x.shape, x.dtype) != meta:
+                raise ValueError(
+                    f"pipeline_parallel: `{self.container}`'s blocks changed the hidden state from {tuple(meta[0])} "
+                    f"{meta[1]} to {tuple(x.shape)} {x.dtype} (block `{name}`); the stages pass one shape and dtype "
+                    "between them, so a model whose blocks change the shape (a CNN's stages) cannot be cut there. "
+                    "Use ZeRO (`ZeroStrategy(stage=...)` without pipeline_parallel) for this model."
+                )
         return out
+
+    def check_stages(self, stages: Sequence[Sequence[str]], found: StageInput) -> str | None:
+        """Run each of this rank's stages on the blocks' input ``found`` (a probe's, no gradients) and return why
+        the model cannot be pipelined, or None. Every stage's input has the first one's shape and dtype when the
+        blocks keep it, so each stage is checked from it: a refusal comes before the schedule, on the rank whose
+        blocks cause it."""
+        meta = (found.hidden.shape, found.hidden.dtype)
+        for names in stages:
+            try:
+                self._run_blocks(names, found.hidden, found.rest, found.kwargs, meta)
+            except (ValueError, TypeError) as error:
+                if str(error).startswith(("pipeline_parallel", f"`{self.container}`")):
+                    return str(error)
+                return self._cannot_run(names, meta, error)
+            except Exception as error:  # e.g. a convolution that expects another stage's channels
+                return self._cannot_run(names, meta, error)
+        return None
+
+    def _cannot_run(self, names: Sequence[str], meta: tuple[torch.Size, torch.dtype], error: Exception) -> str:
+        return (
+            f"pipeline_parallel: `{self.container}`'s blocks {', '.join(f'`{n}`' for n in names)} cannot run on the "
+            f"hidden state the first block takes ({tuple(meta[0])} {meta[1]}): {type(error).__name__}: "
+            f"{str(error)[:200]}. The stages pass one shape and dtype between them, so every block must take and "
+            "return it; a model whose blocks change the shape (a CNN's stages) cannot be cut there. Use ZeRO "
+            "(`ZeroStrategy(stage=...)` without pipeline_parallel) for this model."
+        )
 
 
 def install_pipeline_(model: nn.Module, plan: PipelinePlan, stages: Sequence[int]) -> PipelinedBlocks:

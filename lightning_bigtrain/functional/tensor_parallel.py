@@ -156,30 +156,40 @@ def _plan_block(block: nn.Module, degree: int) -> tuple[dict[str, Split], dict[s
     in_attention: set[str] = set()
     notes: list[str] = []
     deepest_first = sorted(block.named_modules(), key=lambda item: -item[0].count(".") - bool(item[0]))
+    linears = [(n, m) for n, m in block.named_modules() if _is_linear(m)]
     for name, module in deepest_first:
         heads = _head_attrs(module)
+        head_dim = getattr(module, "head_dim", None)
+        head_dim = head_dim if isinstance(head_dim, int) and not isinstance(head_dim, bool) and head_dim > 0 else None
         prefix = f"{name}." if name else ""
-        own = [(n, m) for n, m in module.named_modules() if _is_linear(m)]
-        if not heads or len(own) < 2 or any(prefix + n in in_attention for n, _ in own):
+        own = [(prefix + n, m) for n, m in module.named_modules() if _is_linear(m)]
+        if not (heads or head_dim) or len(own) < 2 or any(n in in_attention for n, _ in own):
             continue
-        out_name, out = own[-1]
+        found = _attention_linears(own, linears, in_attention)
+        if found is None:
+            notes.append(f"{type(module).__name__}: projections of unexpected shapes")
+            continue
+        inputs, (out_name, out) = found
         inner, width = _features(out)
-        count = next(iter(heads.values()))
-        inputs = own[:-1]
-        packs = [_features(m)[1] // inner if _features(m)[1] % inner == 0 else 0 for _, m in inputs]
-        if any(_features(m)[0] != width for _, m in inputs) or 0 in packs or sum(packs) < 2:
+        # The head count: an attribute (divided on the split module), or the width over `head_dim` (Hugging Face's
+        # newer attention, which reshapes to (-1, head_dim) and needs no attribute changed).
+        count = next(iter(heads.values())) if heads else inner // head_dim  # type: ignore[operator]
+        size = head_dim or (inner // count if count and inner % count == 0 else 0)
+        packs = [_pack(_features(m)[1], inner, size, degree) for _, m in inputs]
+        if not size or any(_features(m)[0] != width for _, m in inputs) or 0 in packs or sum(packs) < 2:
             notes.append(f"{type(module).__name__}: projections of unexpected shapes")
             continue
         if count % degree or inner % degree:
             notes.append(f"{type(module).__name__}: {count} heads not divisible by {degree}")
             continue
         for (n, m), pack in zip(inputs, packs, strict=True):
-            splits[prefix + n] = Split("column", pack, _is_conv1d(m))
-        splits[prefix + out_name] = Split("row", conv1d=_is_conv1d(out))
+            splits[n] = Split("column", pack, _is_conv1d(m))
+        splits[out_name] = Split("row", conv1d=_is_conv1d(out))
         divide = dict(heads)
         divide.update({k: v for k in _WIDTH_ATTRS if isinstance(v := getattr(module, k, None), int) and v == inner})
-        attributes[name] = divide
-        in_attention.update(prefix + n for n, _ in own)
+        if divide:
+            attributes[name] = divide
+        in_attention.update(n for n, _ in [*inputs, (out_name, out)])
     rest = [(n, _features(m)) for n, m in block.named_modules() if _is_linear(m) and n not in in_attention]
     conv1d = {n: _is_conv1d(m) for n, m in block.named_modules()}
     i = 0
@@ -198,6 +208,41 @@ def _plan_block(block: nn.Module, degree: int) -> tuple[dict[str, Split], dict[s
     if not splits:
         return {}, {}, "; ".join(notes) or "no attention or MLP linears found"
     return splits, attributes, None
+
+
+#: Names of an attention's value projection: the last of an attention module's linears is its output projection
+#: unless it is one of these, and then the output projection follows the module (BERT's ``BertSelfOutput.dense``).
+_VALUE_NAMES = frozenset({"v", "value", "v_proj", "value_proj", "to_v", "wv"})
+
+
+def _attention_linears(
+    own: list[tuple[str, nn.Module]], linears: list[tuple[str, nn.Module]], taken: set[str]
+) -> tuple[list[tuple[str, nn.Module]], tuple[str, nn.Module]] | None:
+    """An attention's input projections and its output projection, from its own linears (block-relative names) and
+    the block's: the last own linear is the output, unless it is named as a value projection; then the output is the
+    block's next linear after them that takes the projections' width. None when there is no such linear. A wrong
+    pairing cannot pass: every split block class is verified on a copy."""
+    last = own[-1][0].rsplit(".", 1)[-1]
+    if last not in _VALUE_NAMES:
+        return own[:-1], own[-1]
+    names = [n for n, _ in linears]
+    after = linears[names.index(own[-1][0]) + 1 :]
+    width = _features(own[-1][1])[1]
+    nxt = next(((n, m) for n, m in after if n not in taken), None)
+    if nxt is None or _features(nxt[1])[0] != width:
+        return None
+    return own, nxt
+
+
+def _pack(out: int, inner: int, head_dim: int, degree: int) -> int:
+    """How many projections a column split's output packs: ``out / inner`` (q, k, v side by side: 3), or 1 for a
+    grouped-query attention's key or value projection (fewer heads than the queries, a multiple of the degree); 0
+    when neither fits."""
+    if out % inner == 0:
+        return out // inner
+    if out < inner and out % head_dim == 0 and (out // head_dim) % degree == 0:
+        return 1
+    return 0
 
 
 def plan_tensor_parallel(model: nn.Module, degree: int) -> TensorParallelPlan:
@@ -376,13 +421,14 @@ def _verify_block(
     why = None
     # Every required positional input gets the same tensor (a decoder layer's memory: cross-attention on x).
     args = [x] * max(1, _required_inputs(block))
+    kwargs = _rotary_inputs(block, x, generator)
     try:
         with torch.no_grad():
-            expected = _first_tensor(reference(*args))
+            expected = _first_tensor(reference(*args, **kwargs))
             _apply_splits(trial, splits, attributes, mesh, norms, sequence_dim)
             if sequence_dim is not None:
                 args = [_enter_sequence(a, mesh, sequence_dim) for a in args]
-            got = _whole(_first_tensor(trial(*args)), mesh)
+            got = _whole(_first_tensor(trial(*args, **kwargs)), mesh)
         if got.shape != expected.shape:
             why = f"split output has shape {tuple(got.shape)}, expected {tuple(expected.shape)}"
         else:
@@ -454,6 +500,26 @@ def _install_sequence_boundaries(model: nn.Module, blocks: list[str], mesh: Any,
     for run in containers.values():
         _get(model, run[0]).register_forward_pre_hook(enter, with_kwargs=True)
         _get(model, run[-1]).register_forward_hook(leave)
+
+
+def _rotary_inputs(block: nn.Module, x: torch.Tensor, generator: torch.Generator) -> dict[str, Any]:
+    """A block that takes its rotary position angles from the model (Hugging Face's Llama family:
+    ``position_embeddings=(cos, sin)``, each (batch, sequence, head_dim)) gets a pair made from random angles, the same
+    for the original and the split copy (the check compares the two, not the model's positions). Sequence-parallel
+    too they arrive whole, as the model computes them outside the blocks: the attention's projections gather the
+    sequence before the angles are applied."""
+    import inspect
+
+    try:
+        parameters = inspect.signature(block.forward).parameters
+    except (TypeError, ValueError):
+        return {}
+    dims = [getattr(m, "head_dim", None) for m in block.modules()]
+    head_dim = next((d for d in dims if isinstance(d, int) and not isinstance(d, bool)), None)
+    if "position_embeddings" not in parameters or head_dim is None:
+        return {}
+    angles = torch.rand((x.shape[0], x.shape[1], head_dim), generator=generator).to(x.device) * 6.283
+    return {"position_embeddings": (angles.cos(), angles.sin())}
 
 
 def _required_inputs(block: nn.Module) -> int:

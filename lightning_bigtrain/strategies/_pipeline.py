@@ -96,6 +96,21 @@ class _StageCall(nn.Module):
         return runner._run_stage(self.index, incoming, int(mb.item()))
 
 
+@contextlib.contextmanager
+def _refusals_unwrapped(container: str) -> Generator[None, None, None]:
+    """torch's schedule wraps a stage's error in its own RuntimeError ("[Stage 0] failed to run forward"); a refusal of
+    this package's (the blocks' message) is raised as itself, so the user reads the reason and the fix."""
+    try:
+        yield
+    except RuntimeError as error:
+        cause = error.__cause__
+        if isinstance(cause, (ValueError, TypeError, RuntimeError)) and str(cause).startswith(
+            ("pipeline_parallel", f"`{container}")
+        ):
+            raise cause from None
+        raise
+
+
 class PipelineRunner:
     """Runs a LightningModule's steps through a pipeline over ``group`` (this rank holds stages
     ``rank, rank + P, ...``).
@@ -186,12 +201,29 @@ class PipelineRunner:
             with torch.no_grad(), self._quiet_log(), torch.random.fork_rng(devices=devices):
                 fn(batch, *rest)
         except StageInput as found:
-            return found.hidden.shape, found.hidden.dtype
+            input_found: StageInput | None = found
+        else:
+            input_found = None
         finally:
             self.blocks.run = None
-        raise RuntimeError(
-            f"pipeline_parallel: `{name}` never called `{self.plan.container}`; the pipeline cuts the model there."
-        )
+        if input_found is None:
+            raise RuntimeError(
+                f"pipeline_parallel: `{name}` never called `{self.plan.container}`; the pipeline cuts the model there."
+            )
+        if self.data_group is None:
+            # The blocks themselves, on this rank, before any schedule runs: one that changes the shape or returns
+            # more tensors is refused here, on every rank with the same message (a rank refused alone would leave
+            # the others waiting on it). Across pipelines the blocks are FSDP2 units, whose forward here would gather
+            # them: there the refusal comes from the schedule's first forward (:func:`_refusals_unwrapped`), on the
+            # ranks whose blocks cause it, and the launcher stops the others.
+            with torch.no_grad(), self._quiet_log(), torch.random.fork_rng(devices=devices):
+                why = self.blocks.check_stages([self.plan.blocks(s) for s in self.local], input_found)
+            verdicts: list[Any] = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(verdicts, why)
+            refused = next((v for v in verdicts if v is not None), None)
+            if refused is not None:
+                raise ValueError(refused)
+        return input_found.hidden.shape, input_found.hidden.dtype
 
     @contextlib.contextmanager
     def _quiet_log(self) -> Generator[None, None, None]:
@@ -288,7 +320,7 @@ class PipelineRunner:
         earlier = [p.grad for p in params]
         for p in params:
             p.grad = None
-        with self._recorded_log(records):
+        with self._recorded_log(records), _refusals_unwrapped(self.plan.container):
             schedule.step(arg_mbs=index, kwarg_mbs=[{"mb": i[0]} for i in index],
                           target_mbs=[None] * self.microbatches, return_outputs=False)  # fmt: skip
         self._step = {}

@@ -511,15 +511,22 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
                 f"parallelism: {plan.sequence_refused}. The blocks are split as with tensor parallelism alone.",
                 NoEffectWarning,
             )
-        if not plan.splits:
-            warn_once(
-                f"`ZeroStrategy(tensor_parallel={self.tensor_parallel})` found nothing to split in "
-                f"{type(self.model).__name__} (no repeated transformer blocks, no vocabulary embedding): every "
-                "tensor-parallel rank computes the whole model on the same data. Use tensor_parallel=1 (ZeRO across "
-                "all ranks), or split the module yourself in `configure_model`.",
-                NoEffectWarning,
+        if not any(k.startswith(f"{b}.") for b in plan.blocks for k in plan.splits):
+            # No block split (a CNN, or blocks whose split failed its check): every tensor-parallel rank would compute
+            # the whole model on the same data. Refused, with each block's reason, rather than run as a no-op.
+            found = (
+                "; ".join(f"{n}: {why}" for n, why in plan.replicated.items() if n in plan.blocks)[:1200]
+                if plan.blocks
+                else "no repeated blocks with linear layers (transformer blocks) were found"
             )
-        elif plan.replicated:
+            raise ValueError(
+                f"`ZeroStrategy(tensor_parallel={self.tensor_parallel})` cannot split {type(self.model).__name__}: "
+                f"{found}. Tensor parallelism splits the attention and MLP linears of repeated blocks; without them "
+                "every tensor-parallel rank would compute the whole model on the same data. Use tensor_parallel=1 "
+                "(ZeRO across all ranks), or split the module yourself in `configure_model` "
+                "(torch.distributed.tensor.parallel.parallelize_module)."
+            )
+        if plan.replicated:
             reasons = "; ".join(f"{name}: {why}" for name, why in plan.replicated.items())
             warn_once(
                 f"`ZeroStrategy(tensor_parallel={self.tensor_parallel})` left these modules whole (replicated on "

@@ -191,3 +191,19 @@ def test_blocks_that_return_more_tensors_than_the_hidden_state_are_refused():
     stub.run = StageRun(("0",), None, last=False)
     with pytest.raises(ValueError, match=r"tensors beyond the hidden state \(e.g. T5's position bias"):
         stub(torch.randn(2, 4))
+
+
+def test_a_refusal_inside_the_schedule_is_raised_as_itself():
+    """torch's schedule wraps a stage's error in "[Stage 0] failed to run forward"; this package's refusal (the
+    blocks' message) comes out as itself, other errors as torch raised them."""
+    from lightning_bigtrain.strategies._pipeline import _refusals_unwrapped
+
+    def stage_failed(cause: Exception) -> None:
+        raise RuntimeError("[Stage 0] failed to run forward") from cause
+
+    refused = r"^pipeline_parallel: `blocks`'s blocks changed"
+    with pytest.raises(ValueError, match=refused) as raised, _refusals_unwrapped("blocks"):
+        stage_failed(ValueError("pipeline_parallel: `blocks`'s blocks changed the hidden state"))
+    assert raised.value.__cause__ is None
+    with pytest.raises(RuntimeError, match=r"failed to run forward"), _refusals_unwrapped("blocks"):
+        stage_failed(ValueError("mat1 and mat2 shapes cannot be multiplied"))

@@ -226,3 +226,32 @@ def test_pp2_composes_with_bf16_mixed_distillation_and_fusion():
         assert len(r["losses"]) == 3 and all(torch.isfinite(torch.tensor(r["losses"]))), r
         assert any(name.startswith("distill") for name in r["logged"]), r["logged"]
         assert 0.0 < r["val"] < 10.0, r["val"]
+
+
+def _refused(rank: int, family: str, devices: int) -> dict[str, Any]:
+    from benchmarks.conformance import FAMILIES, _build, _data
+
+    L.seed_everything(0, verbose=False)
+    losses = Losses()
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=ZeroStrategy(pipeline_parallel=2), max_steps=2,
+                        limit_val_batches=0, enable_checkpointing=False, callbacks=[losses], **_QUIET)  # fmt: skip
+    try:
+        trainer.fit(_build(FAMILIES[family], 0), datamodule=_data(FAMILIES[family].data))
+    except (ValueError, TypeError) as error:
+        return {"error": f"{type(error).__name__}: {error}", "steps": trainer.global_step, "losses": losses.values}
+    return {"error": None}
+
+
+@pytest.mark.parametrize(("family", "devices", "reason"), [
+    ("tv_resnet18", 2, "changed the hidden state"),
+    ("hf_t5", 2, "tensors beyond the hidden state"),
+])  # fmt: skip
+def test_a_model_whose_blocks_cannot_be_pipelined_is_refused_before_any_step(family, devices, reason):
+    """A CNN (its blocks change the shape) and T5 (its blocks pass the position bias on) are refused at the first batch,
+    before any optimizer step, on every rank with this package's message: a probe of each stage's blocks before the
+    schedule runs (across several pipelines the refusal comes from the schedule's first forward instead, unwrapped
+    from torch's "[Stage 0] failed to run forward", on the ranks whose blocks cause it)."""
+    pytest.importorskip("transformers")
+    for r in run_on_ranks(_refused, family, devices, world_size=devices, init_process_group=False):
+        assert r["error"] is not None and r["steps"] == 0 and not r["losses"], r
+        assert r["error"].startswith("ValueError: pipeline_parallel:") and reason in r["error"], r

@@ -141,9 +141,10 @@ def _family(rank: int, family: str, devices: int) -> dict[str, Any]:
             "refused": plan.sequence_refused if plan else None, "warned": warned}  # fmt: skip
 
 
-@pytest.mark.parametrize("family", ["hf_gpt2", "tv_vit", "lightning_demo_transformer"])
+@pytest.mark.parametrize("family", ["hf_gpt2", "hf_llama", "tv_vit", "lightning_demo_transformer"])
 def test_models_we_did_not_write_under_sequence_parallel(family):
-    """Hugging Face GPT-2 and torchvision's ViT run sequence-parallel with one process's losses; Lightning's demo
+    """Hugging Face GPT-2 and Llama (its rotary angles arrive whole, as the model computes them outside the blocks)
+    and torchvision's ViT run sequence-parallel with one process's losses; Lightning's demo
     Transformer (its decoder layers take the encoder's memory as a second input) is refused, named in the plan, and
     trains as under tensor parallelism alone."""
     pytest.importorskip("transformers")

@@ -240,10 +240,12 @@ def _family_losses(rank: int, family: str, devices: int) -> dict[str, Any]:
     return {"losses": losses.values, "fraction": fraction, "replicated": plan.replicated if plan else None}
 
 
-@pytest.mark.parametrize("family", ["hf_gpt2", "lightning_demo_transformer", "tv_vit"])
+@pytest.mark.parametrize("family", ["hf_gpt2", "hf_llama", "hf_bert", "lightning_demo_transformer", "tv_vit"])
 def test_models_we_did_not_write_split_and_train_as_on_one_process(family):
-    """Hugging Face GPT-2 (Conv1D, LM head tied to the embedding), Lightning's demo Transformer and torchvision's
-    ViT (nn.MultiheadAttention's packed in_proj): >= 80% of the blocks' parameters split, losses as one process."""
+    """Hugging Face GPT-2 (Conv1D, LM head tied to the embedding), Llama (no head-count attribute: heads from
+    `head_dim`; grouped-query key/value projections; rotary angles given to each layer), BERT (its attention's
+    output projection in a sibling module), Lightning's demo Transformer and torchvision's ViT (nn.MultiheadAttention's
+    packed in_proj): >= 80% of the blocks' parameters split, losses as one process."""
     pytest.importorskip("transformers")
     expected = run_on_ranks(_family_losses, family, 1, world_size=1, init_process_group=False)[0]["losses"]
     for r in run_on_ranks(_family_losses, family, 2, init_process_group=False):
@@ -334,8 +336,6 @@ class SplitsItself(CharGPT):
 
 
 def _own_split_and_nothing_to_split(rank: int) -> dict[str, Any]:
-    import warnings
-
     from lightning_bigtrain.data import FashionMNISTDataModule
     from lightning_bigtrain.models import FashionCNN
 
@@ -348,19 +348,19 @@ def _own_split_and_nothing_to_split(rank: int) -> dict[str, Any]:
     out["own_plan"] = trainer.strategy.tensor_parallel_plan
     out["qkv_split"] = hasattr(model.blocks[0].attn.qkv.weight, "placements")
     out["mlp_split"] = hasattr(model.blocks[0].mlp[0].weight, "placements")
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        trainer = L.Trainer(accelerator="cpu", devices=2, strategy=ZeroStrategy(stage=3, tensor_parallel=2),
-                            max_steps=1, limit_val_batches=0, enable_checkpointing=False, **_QUIET)  # fmt: skip
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=ZeroStrategy(stage=3, tensor_parallel=2),
+                        max_steps=1, limit_val_batches=0, enable_checkpointing=False, **_QUIET)  # fmt: skip
+    try:
         trainer.fit(FashionCNN(), datamodule=FashionMNISTDataModule(batch_size=16, subset=64))
-    out["warnings"] = [str(w.message) for w in caught if "found nothing to split" in str(w.message)]
-    out["all"] = [str(w.message)[:100] for w in caught]
+    except ValueError as error:
+        out["refused"], out["steps"] = str(error), trainer.global_step
     return out
 
 
-def test_a_users_own_split_is_respected_and_a_model_with_nothing_to_split_is_warned_about():
+def test_a_users_own_split_is_respected_and_a_model_with_nothing_to_split_is_refused_at_setup():
+    """Every rank refuses the CNN at setup, before a step, naming the argument and the fix."""
     results = run_on_ranks(_own_split_and_nothing_to_split, init_process_group=False)
     for r in results:
         assert r["own_plan"] is None and r["mlp_split"] and not r["qkv_split"]
-    warned = results[0]["warnings"]  # warnings are given on global rank 0
-    assert warned and "tensor_parallel=1" in warned[0], results[0]["all"]
+        assert r.get("steps") == 0 and "`ZeroStrategy(tensor_parallel=2)` cannot split FashionCNN" in r["refused"], r
+        assert "Use tensor_parallel=1" in r["refused"]
