@@ -254,9 +254,13 @@ def render_headline(results_dir: Path = RESULTS_DIR) -> str:
         ok = sum(x["status"] == "ok" for x in rows)
         families = len({x["family"] for x in rows})
         cells = len({x["cell"] for x in rows})
+        refused = sum(x["status"] == "refused" for x in rows)
+        warned = sum(x["status"] == "warned" for x in rows)
+        failed = len(rows) - ok - refused - warned
         return (
             f"[Conformance](docs/conformance.md): {ok} of {len(rows)} cells ok ({families} model families we did "
-            f"not write x {cells} settings)"
+            f"not write x {cells} settings); {refused} refused before training with the reason, {warned} trained "
+            f"without the technique with a warning saying why, {failed} failed"
         )
 
     def planning(r: dict[str, Any]) -> str:
