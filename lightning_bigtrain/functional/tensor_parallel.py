@@ -62,13 +62,15 @@ __all__ = [
 _CONTAINERS = (nn.ModuleList, nn.Sequential)
 _HEAD_ATTR = re.compile(r"^(n_?heads?|num_?heads|num_attention_heads|nhead|heads)$")
 _WIDTH_ATTRS = ("split_size", "all_head_size", "inner_dim", "inner_size")
-SplitStyle = Literal["column", "row", "vocab_embedding", "vocab_head"]
+SplitStyle = Literal["column", "row", "vocab_embedding", "vocab_head", "head_embedding"]
 
 
 @dataclass(frozen=True)
 class Split:
     """How one module is split: ``column`` (output features), ``row`` (input features), ``vocab_embedding`` (an
-    embedding's rows) or ``vocab_head`` (an LM head's output features, logits gathered). ``pack``: a column
+    embedding's rows), ``vocab_head`` (an LM head's output features, logits gathered) or ``head_embedding`` (an
+    attention's table of one value per head, T5's relative position bias: its columns, each rank's heads, no
+    collective). ``pack``: a column
     split's output holds that many projections side by side (q, k, v: 3), each split by heads."""
 
     style: SplitStyle
@@ -143,6 +145,12 @@ def _blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return found
 
 
+def _kind(block: nn.Module) -> tuple[Any, ...]:
+    """Blocks planned and verified alike: one class with the same submodules. A class can differ by block: T5's
+    decoder blocks add a cross-attention to its encoder's, and only each stack's first holds the position bias."""
+    return (type(block), *((n, type(m)) for n, m in block.named_modules()))
+
+
 def _head_attrs(module: nn.Module) -> dict[str, int]:
     return {
         k: v for k, v in vars(module).items() if isinstance(v, int) and not isinstance(v, bool) and _HEAD_ATTR.match(k)
@@ -185,6 +193,9 @@ def _plan_block(block: nn.Module, degree: int) -> tuple[dict[str, Split], dict[s
         for (n, m), pack in zip(inputs, packs, strict=True):
             splits[n] = Split("column", pack, _is_conv1d(m))
         splits[out_name] = Split("row", conv1d=_is_conv1d(out))
+        for n, m in module.named_modules():  # a per-head table (T5's relative position bias): each rank its heads
+            if isinstance(m, nn.Embedding) and m.embedding_dim == count:
+                splits[prefix + n] = Split("head_embedding")
         divide = dict(heads)
         divide.update({k: v for k in _WIDTH_ATTRS if isinstance(v := getattr(module, k, None), int) and v == inner})
         if divide:
@@ -255,11 +266,11 @@ def plan_tensor_parallel(model: nn.Module, degree: int) -> TensorParallelPlan:
     if degree == 1:
         return plan
     blocks = _blocks(model)
-    by_class: dict[type, tuple[dict[str, Split], dict[str, dict[str, int]], str | None]] = {}
+    by_class: dict[tuple[Any, ...], tuple[dict[str, Split], dict[str, dict[str, int]], str | None]] = {}
     for name, block in blocks:
-        if type(block) not in by_class:
-            by_class[type(block)] = _plan_block(block, degree)
-        splits, attributes, why = by_class[type(block)]
+        if _kind(block) not in by_class:
+            by_class[_kind(block)] = _plan_block(block, degree)
+        splits, attributes, why = by_class[_kind(block)]
         plan.blocks.append(name)
         if why is not None:
             plan.replicated[name] = why
@@ -292,6 +303,9 @@ def plan_tensor_parallel(model: nn.Module, degree: int) -> TensorParallelPlan:
             plan.replicated[name] = f"vocabulary of {vocab} not divisible by {degree}"
         else:
             plan.splits[name] = Split("vocab_embedding")
+            for n, e in embeddings:  # modules sharing its table (T5's encoder and decoder `embed_tokens`)
+                if n != name and e.weight is emb.weight:
+                    plan.splits[n] = Split("vocab_embedding")
             for n, _ in heads:
                 plan.splits[n] = Split("vocab_head")
     return plan
@@ -385,20 +399,23 @@ def _apply_splits(
             styles[name] = _conv1d_style_class(False)(**row_kw) if split.conv1d else RowwiseParallel(**row_kw)
         elif split.style == "vocab_embedding":
             styles[name] = RowwiseParallel(input_layouts=Replicate())
+        elif split.style == "head_embedding":
+            styles[name] = ColwiseParallel()  # indices whole on every rank; this rank's heads out, locally
         else:
             styles[name] = ColwiseParallel(output_layouts=Replicate())
     if sequence_dim is not None:
         for name in norms:
             styles[name] = SequenceParallel(sequence_dim=sequence_dim, use_local_output=False)
-    tied = {
-        name: emb
+    embeddings = [n for n, s in splits.items() if s.style == "vocab_embedding"]
+    tied = {  # a head or another embedding sharing a split embedding's table -> the first such embedding
+        name: owner
         for name, split in splits.items()
-        if split.style == "vocab_head"
-        for emb in [n for n, s in splits.items() if s.style == "vocab_embedding"]
-        if _get(root, name).weight is _get(root, emb).weight
+        if split.style in ("vocab_head", "vocab_embedding")
+        for owner in [next((e for e in embeddings if _get(root, name).weight is _get(root, e).weight), name)]
+        if owner != name
     }
     parallelize_module(root, mesh, styles)
-    for name, emb in tied.items():  # one parameter again: the head uses the embedding's split weight
+    for name, emb in tied.items():  # one parameter again: every user of the table holds the same split weight
         _get(root, name).weight = _get(root, emb).weight
     for name, attrs in attributes.items():
         module = _get(root, name)
@@ -422,6 +439,13 @@ def _verify_block(
     # Every required positional input gets the same tensor (a decoder layer's memory: cross-attention on x).
     args = [x] * max(1, _required_inputs(block))
     kwargs = _rotary_inputs(block, x, generator)
+    if _takes(block, "encoder_hidden_states"):  # a Hugging Face decoder block's cross-attention runs too
+        try:
+            with torch.no_grad():
+                reference(*args, **kwargs, encoder_hidden_states=x)
+            kwargs["encoder_hidden_states"] = x
+        except Exception:  # a block without cross-attention may refuse the argument (GPT-2's does)
+            pass
     try:
         with torch.no_grad():
             expected = _first_tensor(reference(*args, **kwargs))
@@ -500,6 +524,15 @@ def _install_sequence_boundaries(model: nn.Module, blocks: list[str], mesh: Any,
     for run in containers.values():
         _get(model, run[0]).register_forward_pre_hook(enter, with_kwargs=True)
         _get(model, run[-1]).register_forward_hook(leave)
+
+
+def _takes(block: nn.Module, argument: str) -> bool:
+    import inspect
+
+    try:
+        return argument in inspect.signature(block.forward).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def _rotary_inputs(block: nn.Module, x: torch.Tensor, generator: torch.Generator) -> dict[str, Any]:
@@ -589,15 +622,15 @@ def apply_tensor_parallel_(
             if tensor.device.type != "meta" and not hasattr(tensor, "placements"):
                 torch.distributed.broadcast(tensor, src=src, group=group)
     if verify and degree > 1:
-        checked: dict[type, str | None] = {}
+        checked: dict[tuple[Any, ...], str | None] = {}
         for name in plan.blocks:
             if name in plan.replicated:
                 continue
             block = _get(model, name)
-            if type(block) not in checked:
+            if _kind(block) not in checked:
                 local = _relative(plan, name)
-                checked[type(block)] = _verify_block(block, *local, mesh, _block_width(block, local[0]))
-            why = checked[type(block)]
+                checked[_kind(block)] = _verify_block(block, *local, mesh, _block_width(block, local[0]))
+            why = checked[_kind(block)]
             if why is not None:
                 plan.replicated[name] = why
                 for key in [k for k in plan.splits if k.startswith(f"{name}.")]:
@@ -622,7 +655,7 @@ def _plan_sequence(model: nn.Module, plan: TensorParallelPlan, mesh: Any, verify
             f"blocks left whole ({', '.join(whole)}) would receive the split activation" if whole else "no blocks"
         )
         return
-    checked: dict[type, str | None] = {}
+    checked: dict[tuple[Any, ...], str | None] = {}
     norms: list[str] = []
     for name in plan.blocks:
         block = _get(model, name)
@@ -631,10 +664,10 @@ def _plan_sequence(model: nn.Module, plan: TensorParallelPlan, mesh: Any, verify
             return
         splits, attributes = _relative(plan, name)
         own = _norms(block, splits)
-        if verify and type(block) not in checked:
+        if verify and _kind(block) not in checked:
             width = _block_width(block, splits)
-            checked[type(block)] = _verify_block(block, splits, attributes, mesh, width, own, dim)
-        why = checked.get(type(block))
+            checked[_kind(block)] = _verify_block(block, splits, attributes, mesh, width, own, dim)
+        why = checked.get(_kind(block))
         if why is not None:
             plan.sequence_refused = f"{type(block).__name__}: {why}"
             return

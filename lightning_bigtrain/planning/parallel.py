@@ -48,6 +48,8 @@ def _split_dims(model: nn.Module, plan: TensorParallelPlan) -> dict[int, int]:
             return 1 if split.conv1d else 0
         if split.style == "row":
             return 0 if split.conv1d else 1
+        if split.style == "head_embedding":
+            return 1  # one column per head
         return 0  # vocab_embedding: rows
 
     for name, split in plan.splits.items():
@@ -98,6 +100,8 @@ def _messages(
                 found.append(("all_reduce", numel(args)))  # backward: the input's gradient
             elif split.style == "vocab_embedding":
                 found.append(("all_reduce", numel(out)))
+            elif split.style == "head_embedding":
+                pass  # each rank looks up its own heads' columns: no collective
             else:  # vocab_head: logits gathered, the input's gradient all-reduced in backward
                 found.extend([("all_gather", numel(out)), ("all_reduce", numel(args))])
 

@@ -240,12 +240,13 @@ def _family_losses(rank: int, family: str, devices: int) -> dict[str, Any]:
     return {"losses": losses.values, "fraction": fraction, "replicated": plan.replicated if plan else None}
 
 
-@pytest.mark.parametrize("family", ["hf_gpt2", "hf_llama", "hf_bert", "lightning_demo_transformer", "tv_vit"])
+@pytest.mark.parametrize("family", ["hf_gpt2", "hf_llama", "hf_bert", "hf_t5", "lightning_demo_transformer", "tv_vit"])
 def test_models_we_did_not_write_split_and_train_as_on_one_process(family):
     """Hugging Face GPT-2 (Conv1D, LM head tied to the embedding), Llama (no head-count attribute: heads from
     `head_dim`; grouped-query key/value projections; rotary angles given to each layer), BERT (its attention's
-    output projection in a sibling module), Lightning's demo Transformer and torchvision's ViT (nn.MultiheadAttention's
-    packed in_proj): >= 80% of the blocks' parameters split, losses as one process."""
+    output projection in a sibling module), T5 (decoder blocks with a cross-attention its encoder blocks lack, the
+    relative position bias split by heads), Lightning's demo Transformer and torchvision's ViT
+    (nn.MultiheadAttention's packed in_proj): >= 80% of the blocks' parameters split, losses as one process."""
     pytest.importorskip("transformers")
     expected = run_on_ranks(_family_losses, family, 1, world_size=1, init_process_group=False)[0]["losses"]
     for r in run_on_ranks(_family_losses, family, 2, init_process_group=False):
@@ -254,11 +255,11 @@ def test_models_we_did_not_write_split_and_train_as_on_one_process(family):
         torch.testing.assert_close(r["losses"], expected, rtol=1e-5, atol=0)
 
 
-def _demo_checkpoint(rank: int, folder: str) -> list[float]:
+def _family_checkpoint(rank: int, folder: str, family: str) -> dict[str, list[float]]:
     from benchmarks.conformance import FAMILIES, _build, _data
 
     L.seed_everything(0, verbose=False)
-    model = _no_dropout(_build(FAMILIES["lightning_demo_transformer"], 0))
+    model = _no_dropout(_build(FAMILIES[family], 0))
     losses = Losses()
     every2 = ModelCheckpoint(dirpath=folder, filename="{step}", every_n_train_steps=2, save_top_k=-1)
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=ZeroStrategy(stage=3, tensor_parallel=2), max_steps=4,
@@ -271,24 +272,28 @@ def _demo_checkpoint(rank: int, folder: str) -> list[float]:
     resumed = Losses()
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=ZeroStrategy(stage=3, min_wrap_params=1000), max_steps=4,
                         limit_val_batches=0, use_distributed_sampler=False, callbacks=[resumed], **_QUIET)  # fmt: skip
-    model = _no_dropout(_build(FAMILIES["lightning_demo_transformer"], 1))
+    model = _no_dropout(_build(FAMILIES[family], 1))
     trainer.fit(model, datamodule=InOrder(_data("text"), batch_size=8), ckpt_path=f"{folder}/step=2.ckpt")
     return {"tp2": losses.values, "zero3_from_step2": resumed.values}
 
 
-def test_a_tp2_checkpoint_of_nn_multihead_attention_is_the_users_module(tmp_path):
-    """Split as HeadedAttention, saved as torch's packed in_proj: resumes without tensor parallelism (ZeRO-3, the
-    optimizer's moments included), and consolidates to a file that loads strictly into the demo Transformer as
-    written and gives step 2's loss on step 2's batch."""
+@pytest.mark.parametrize("family", ["lightning_demo_transformer", "hf_llama", "hf_t5"])
+def test_a_tp2_checkpoint_is_the_users_module(family, tmp_path):
+    """The demo Transformer's nn.MultiheadAttention is split as HeadedAttention and saved as torch's packed in_proj;
+    Llama's grouped-query projections are split by their own heads. Either checkpoint resumes without tensor
+    parallelism (ZeRO-3, the optimizer's moments included), and consolidates to a file that loads strictly into the
+    module as written and gives step 2's loss on step 2's batch."""
     from benchmarks.conformance import FAMILIES, _build, _data
     from lightning_bigtrain.strategies.zero import consolidate_checkpoint
 
-    r = run_on_ranks(_demo_checkpoint, str(tmp_path), init_process_group=False)[0]
+    pytest.importorskip("transformers")
+
+    r = run_on_ranks(_family_checkpoint, str(tmp_path), family, init_process_group=False)[0]
     losses = r["tp2"]
     # Saved as torch's packed in_proj (weights and AdamW's moments): the module as written resumes from it.
     torch.testing.assert_close(r["zero3_from_step2"], losses[2:], rtol=1e-5, atol=0)
     single = torch.load(consolidate_checkpoint(tmp_path / "step=2.ckpt", tmp_path / "one.ckpt"), weights_only=False)
-    model = _build(FAMILIES["lightning_demo_transformer"], 1)
+    model = _build(FAMILIES[family], 1)
     model.load_state_dict(single["state_dict"], strict=True)
     model.eval()
     data = InOrder(_data("text"), batch_size=8)
