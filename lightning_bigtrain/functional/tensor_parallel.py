@@ -61,7 +61,7 @@ __all__ = [
 
 _CONTAINERS = (nn.ModuleList, nn.Sequential)
 _HEAD_ATTR = re.compile(r"^(n_?heads?|num_?heads|num_attention_heads|nhead|heads)$")
-_WIDTH_ATTRS = ("split_size", "all_head_size", "inner_dim", "inner_size")
+_WIDTH_ATTRS = ("split_size", "all_head_size", "inner_dim", "inner_size", "attn_dim")
 SplitStyle = Literal["column", "row", "vocab_embedding", "vocab_head", "head_embedding"]
 
 

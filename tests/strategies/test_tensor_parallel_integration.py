@@ -240,13 +240,16 @@ def _family_losses(rank: int, family: str, devices: int) -> dict[str, Any]:
     return {"losses": losses.values, "fraction": fraction, "replicated": plan.replicated if plan else None}
 
 
-@pytest.mark.parametrize("family", ["hf_gpt2", "hf_llama", "hf_bert", "hf_t5", "lightning_demo_transformer", "tv_vit"])
+@pytest.mark.parametrize(
+    "family", ["hf_gpt2", "hf_llama", "hf_bert", "hf_t5", "lightning_demo_transformer", "tv_vit", "timm_vit"]
+)
 def test_models_we_did_not_write_split_and_train_as_on_one_process(family):
     """Hugging Face GPT-2 (Conv1D, LM head tied to the embedding), Llama (no head-count attribute: heads from
     `head_dim`; grouped-query key/value projections; rotary angles given to each layer), BERT (its attention's
     output projection in a sibling module), T5 (decoder blocks with a cross-attention its encoder blocks lack, the
-    relative position bias split by heads), Lightning's demo Transformer and torchvision's ViT
-    (nn.MultiheadAttention's packed in_proj): >= 80% of the blocks' parameters split, losses as one process."""
+    relative position bias split by heads), Lightning's demo Transformer, torchvision's ViT (nn.MultiheadAttention's
+    packed in_proj) and timm's ViT (its `attn_dim` divided): >= 80% of the blocks' parameters split, losses as one
+    process."""
     pytest.importorskip("transformers")
     expected = run_on_ranks(_family_losses, family, 1, world_size=1, init_process_group=False)[0]["losses"]
     for r in run_on_ranks(_family_losses, family, 2, init_process_group=False):
