@@ -572,11 +572,16 @@ def _optimizer_name(model: L.LightningModule) -> str:
 def _planned(model: L.LightningModule, cell: str) -> dict[str, int] | None:
     """``plan(model, devices=2, optimizer=<the module's>)``'s model states for the cell's strategy (DDP and ZeRO on
     the torch engine)."""
-    if cell not in ("ddp", "zero1", "zero2", "zero3"):
+    rows = {"ddp": "ddp", "zero1": "zero1", "zero2": "zero2", "zero3": "zero3", "tp2": "zero3_tp2", "pp2": "zero3_pp2"}
+    if cell not in rows:
         return None
     from lightning_bigtrain.planning import plan
 
-    row = plan(model, devices=2, accelerator="cpu", compression=False, optimizer=_optimizer_name(model))[cell]
+    planned = plan(model, devices=2, accelerator="cpu", compression=False, optimizer=_optimizer_name(model))
+    try:
+        row = planned[rows[cell]]
+    except KeyError:  # no such row for this model (nothing to split, no blocks to cut): the note says why
+        return None
     return {"params": int(row.params_bytes), "grads": int(row.grads_bytes), "optimizer": int(row.optimizer_bytes)}
 
 
@@ -738,7 +743,8 @@ def render(results: dict[str, Any]) -> str:
         missed = ", ".join(f"{r['family']} x {r['cell']}" for r in planned if r not in exact)
         lines.append(
             f"Planner: `plan(model, devices=2)` predicted the parameter, gradient and optimizer bytes each rank held "
-            f"exactly in {len(exact)} of {len(planned)} DDP/ZeRO cells" + (f": not in {missed}." if missed else ".")
+            f"exactly in {len(exact)} of {len(planned)} DDP, ZeRO, tp2 and pp2 cells"
+            + (f": not in {missed}." if missed else ".")
         )
     notes = [r for r in rows if r["status"] != "ok"]
     if notes:

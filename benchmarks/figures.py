@@ -269,7 +269,7 @@ def render_headline(results_dir: Path = RESULTS_DIR) -> str:
         ranks = len(planned[0]["evidence"]["plan"]["params"]) if planned else "?"
         return (
             f"[Planning](docs/planning.md): `plan(model, devices={ranks})` predicted the model-state bytes each rank "
-            f"held exactly in {exact} of {len(planned)} DDP/ZeRO conformance cells"
+            f"held exactly in {exact} of {len(planned)} DDP, ZeRO, tensor- and pipeline-parallel conformance cells"
         )
 
     def tune(r: dict[str, Any]) -> str:

@@ -406,21 +406,34 @@ def _apply_splits(
     if sequence_dim is not None:
         for name in norms:
             styles[name] = SequenceParallel(sequence_dim=sequence_dim, use_local_output=False)
-    embeddings = [n for n, s in splits.items() if s.style == "vocab_embedding"]
-    tied = {  # a head or another embedding sharing a split embedding's table -> the first such embedding
-        name: owner
-        for name, split in splits.items()
-        if split.style in ("vocab_head", "vocab_embedding")
-        for owner in [next((e for e in embeddings if _get(root, name).weight is _get(root, e).weight), name)]
-        if owner != name
-    }
+    ties = _ties(root, list(styles))
     parallelize_module(root, mesh, styles)
-    for name, emb in tied.items():  # one parameter again: every user of the table holds the same split weight
-        _get(root, name).weight = _get(root, emb).weight
+    for holders in ties:  # one parameter again: every holder of a tied tensor holds the first split module's
+        (owner, attr), rest = holders[0], holders[1:]
+        for module, name in rest:
+            setattr(module, name, getattr(owner, attr))
     for name, attrs in attributes.items():
         module = _get(root, name)
         for attr, value in attrs.items():
             setattr(module, attr, value // degree)
+
+
+def _ties(root: nn.Module, split: list[str]) -> list[list[tuple[nn.Module, str]]]:
+    """Parameters a split module shares with other modules (an LM head tied to the embedding, T5's encoder and decoder
+    `embed_tokens`, BERT's `cls.predictions.bias` and its decoder's bias), each as its holders ``(module, attribute)``,
+    a split module first. Splitting replaces a module's parameter with a new DTensor: without re-tying, the other
+    holders keep the old tensor, which then trains apart (or not at all) and is saved stale."""
+    holders: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in root.modules():
+        for attr, param in module.named_parameters(recurse=False):
+            holders.setdefault(id(param), []).append((module, attr))
+    first = {id(_get(root, name)): i for i, name in enumerate(split)}
+    groups = []
+    for group in holders.values():
+        ranked = sorted(group, key=lambda h: first.get(id(h[0]), len(first)))
+        if len(group) > 1 and id(ranked[0][0]) in first:
+            groups.append(ranked)
+    return groups
 
 
 def _verify_block(

@@ -234,10 +234,20 @@ def _family_losses(rank: int, family: str, devices: int) -> dict[str, Any]:
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=6, limit_val_batches=0,
                         gradient_clip_val=1.0, enable_checkpointing=False, use_distributed_sampler=False,
                         callbacks=[losses], **_QUIET)  # fmt: skip
+    tied_before = _tied_names(model)
     trainer.fit(model, datamodule=InOrder(_data(FAMILIES[family].data), batch_size=8))
     plan = getattr(trainer.strategy, "tensor_parallel_plan", None)
     fraction = sharded_fraction(model, plan) if plan is not None else None
-    return {"losses": losses.values, "fraction": fraction, "replicated": plan.replicated if plan else None}
+    return {"losses": losses.values, "fraction": fraction, "replicated": plan.replicated if plan else None,
+            "tied": (tied_before, _tied_names(model))}  # fmt: skip
+
+
+def _tied_names(model: torch.nn.Module) -> list[list[str]]:
+    """The groups of parameter names that share one tensor (an LM head and its embedding, BERT's decoder bias)."""
+    groups: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(name)
+    return sorted(g for g in groups.values() if len(g) > 1)
 
 
 @pytest.mark.parametrize(
@@ -256,6 +266,8 @@ def test_models_we_did_not_write_split_and_train_as_on_one_process(family):
         print(f"{family}: {r['fraction']:.1%} of the transformer blocks' parameters split")
         assert r["fraction"] >= 0.8 and r["replicated"] == {}, r
         torch.testing.assert_close(r["losses"], expected, rtol=1e-5, atol=0)
+        before, after = r["tied"]
+        assert after == before, f"ties broken by the split: {before} -> {after}"
 
 
 def _family_checkpoint(rank: int, folder: str, family: str) -> dict[str, list[float]]:
