@@ -204,6 +204,14 @@ class _OneReplicaDDP(DDPStrategy):
         return {"num_replicas": 1, "rank": 0}
 
 
+def _hf_llama() -> L.LightningModule:
+    """Hugging Face's Llama (rotary angles, grouped-query attention, SwiGLU MLP, RMSNorm) in a module a user would
+    write, built from a config as the conformance matrix builds it."""
+    from benchmarks.conformance import FAMILIES, _build
+
+    return _build(FAMILIES["hf_llama"], 0)
+
+
 def _model_parallel(**kwargs: Any) -> Callable[[], dict[str, Any]]:
     return lambda: {"strategy": ZeroStrategy(**kwargs)}
 
@@ -456,6 +464,11 @@ SETTINGS: tuple[Setting, ...] = (
             replicated_twin=_OneReplicaDDP),
     Setting(name="pp2_gpt", model=_tiny_gpt, data=_tiny_shakespeare,
             trainer_kwargs=_model_parallel(pipeline_parallel=2), replicated_twin=_OneReplicaDDP),
+    # A model we did not write, split: Hugging Face Llama at tp=2 with sequence parallelism (heads from `head_dim`,
+    # grouped-query key/value projections split by their own heads, the model's rotary angles arriving whole).
+    Setting(name="tp2_sp_llama", model=_hf_llama, data=_tiny_shakespeare,
+            trainer_kwargs=_model_parallel(stage=3, tensor_parallel=2, sequence_parallel=True),
+            replicated_twin=_OneReplicaDDP),
     # compression="auto": timed trials first (a 16-bit all-reduce, then PowerSGD), then one exchange for the run; the
     # trials' progress, times and choice are checkpointed per rank, so a kill inside a trial resumes it. margin=0.99
     # makes the choice the dense one whatever the timings: a row must end the same way in every run.
