@@ -323,15 +323,23 @@ class PipelinedBlocks(nn.Module):
         blocks keep it, so each stage is checked from it: a refusal comes before the schedule, on the rank whose
         blocks cause it."""
         meta = (found.hidden.shape, found.hidden.dtype)
-        for names in stages:
-            try:
-                self._run_blocks(names, found.hidden, found.rest, found.kwargs, meta)
-            except (ValueError, TypeError) as error:
-                if str(error).startswith(("pipeline_parallel", f"`{self.container}`")):
-                    return str(error)
-                return self._cannot_run(names, meta, error)
-            except Exception as error:  # e.g. a convolution that expects another stage's channels
-                return self._cannot_run(names, meta, error)
+        # In eval mode: a probe must not move running statistics (a resumed run probes again, the uninterrupted one
+        # does not).
+        modes = {m: m.training for m in self.modules()}
+        self.eval()
+        try:
+            for names in stages:
+                try:
+                    self._run_blocks(names, found.hidden, found.rest, found.kwargs, meta)
+                except (ValueError, TypeError) as error:
+                    if str(error).startswith(("pipeline_parallel", f"`{self.container}`")):
+                        return str(error)
+                    return self._cannot_run(names, meta, error)
+                except Exception as error:  # e.g. a convolution that expects another stage's channels
+                    return self._cannot_run(names, meta, error)
+        finally:
+            for m, training in modes.items():
+                m.training = training
         return None
 
     def _cannot_run(self, names: Sequence[str], meta: tuple[torch.Size, torch.dtype], error: Exception) -> str:

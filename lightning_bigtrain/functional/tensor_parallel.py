@@ -70,8 +70,8 @@ class Split:
     """How one module is split: ``column`` (output features), ``row`` (input features), ``vocab_embedding`` (an
     embedding's rows), ``vocab_head`` (an LM head's output features, logits gathered) or ``head_embedding`` (an
     attention's table of one value per head, T5's relative position bias: its columns, each rank's heads, no
-    collective). ``pack``: a column
-    split's output holds that many projections side by side (q, k, v: 3), each split by heads."""
+    collective). ``pack``: a column split's output holds that many projections side by side (q, k, v: 3), each split
+    by heads."""
 
     style: SplitStyle
     pack: int = 1
