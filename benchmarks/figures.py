@@ -250,13 +250,12 @@ def render_headline(results_dir: Path = RESULTS_DIR) -> str:
         return "[Fault tolerance](docs/fault_tolerance.md): " + "; ".join(parts)
 
     def conformance(r: dict[str, Any]) -> str:
+        from benchmarks.conformance import counts
+
         rows = r["rows"]
-        ok = sum(x["status"] == "ok" for x in rows)
+        ok, refused, warned, failed = counts(rows).values()
         families = len({x["family"] for x in rows})
         cells = len({x["cell"] for x in rows})
-        refused = sum(x["status"] == "refused" for x in rows)
-        warned = sum(x["status"] == "warned" for x in rows)
-        failed = len(rows) - ok - refused - warned
         return (
             f"[Conformance](docs/conformance.md): {ok} of {len(rows)} cells ok ({families} model families we did "
             f"not write x {cells} settings); {refused} refused before training with the reason, {warned} trained "

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import math
 import re
 from collections import Counter
 from collections.abc import Iterable
@@ -268,9 +269,10 @@ def plan_tensor_parallel(model: nn.Module, degree: int) -> TensorParallelPlan:
     blocks = _blocks(model)
     by_class: dict[tuple[Any, ...], tuple[dict[str, Split], dict[str, dict[str, int]], str | None]] = {}
     for name, block in blocks:
-        if _kind(block) not in by_class:
-            by_class[_kind(block)] = _plan_block(block, degree)
-        splits, attributes, why = by_class[_kind(block)]
+        kind = _kind(block)
+        if kind not in by_class:
+            by_class[kind] = _plan_block(block, degree)
+        splits, attributes, why = by_class[kind]
         plan.blocks.append(name)
         if why is not None:
             plan.replicated[name] = why
@@ -452,16 +454,17 @@ def _verify_block(
     # Every required positional input gets the same tensor (a decoder layer's memory: cross-attention on x).
     args = [x] * max(1, _required_inputs(block))
     kwargs = _rotary_inputs(block, x, generator)
+    out = None
     if _takes(block, "encoder_hidden_states"):  # a Hugging Face decoder block's cross-attention runs too
         try:
             with torch.no_grad():
-                reference(*args, **kwargs, encoder_hidden_states=x)
+                out = reference(*args, **kwargs, encoder_hidden_states=x)
             kwargs["encoder_hidden_states"] = x
         except Exception:  # a block without cross-attention may refuse the argument (GPT-2's does)
             pass
     try:
         with torch.no_grad():
-            expected = _first_tensor(reference(*args, **kwargs))
+            expected = _first_tensor(out if out is not None else reference(*args, **kwargs))
             _apply_splits(trial, splits, attributes, mesh, norms, sequence_dim)
             if sequence_dim is not None:
                 args = [_enter_sequence(a, mesh, sequence_dim) for a in args]
@@ -554,17 +557,11 @@ def _rotary_inputs(block: nn.Module, x: torch.Tensor, generator: torch.Generator
     for the original and the split copy (the check compares the two, not the model's positions). Sequence-parallel
     too they arrive whole, as the model computes them outside the blocks: the attention's projections gather the
     sequence before the angles are applied."""
-    import inspect
-
-    try:
-        parameters = inspect.signature(block.forward).parameters
-    except (TypeError, ValueError):
-        return {}
     dims = [getattr(m, "head_dim", None) for m in block.modules()]
     head_dim = next((d for d in dims if isinstance(d, int) and not isinstance(d, bool)), None)
-    if "position_embeddings" not in parameters or head_dim is None:
+    if head_dim is None or not _takes(block, "position_embeddings"):
         return {}
-    angles = torch.rand((x.shape[0], x.shape[1], head_dim), generator=generator).to(x.device) * 6.283
+    angles = torch.rand((x.shape[0], x.shape[1], head_dim), generator=generator).to(x.device) * (2 * math.pi)
     return {"position_embeddings": (angles.cos(), angles.sin())}
 
 
@@ -640,10 +637,11 @@ def apply_tensor_parallel_(
             if name in plan.replicated:
                 continue
             block = _get(model, name)
-            if _kind(block) not in checked:
+            kind = _kind(block)
+            if kind not in checked:
                 local = _relative(plan, name)
-                checked[_kind(block)] = _verify_block(block, *local, mesh, _block_width(block, local[0]))
-            why = checked[_kind(block)]
+                checked[kind] = _verify_block(block, *local, mesh, _block_width(block, local[0]))
+            why = checked[kind]
             if why is not None:
                 plan.replicated[name] = why
                 for key in [k for k in plan.splits if k.startswith(f"{name}.")]:
@@ -677,10 +675,11 @@ def _plan_sequence(model: nn.Module, plan: TensorParallelPlan, mesh: Any, verify
             return
         splits, attributes = _relative(plan, name)
         own = _norms(block, splits)
-        if verify and _kind(block) not in checked:
+        kind = _kind(block)
+        if verify and kind not in checked:
             width = _block_width(block, splits)
-            checked[_kind(block)] = _verify_block(block, splits, attributes, mesh, width, own, dim)
-        why = checked.get(_kind(block))
+            checked[kind] = _verify_block(block, splits, attributes, mesh, width, own, dim)
+        why = checked.get(kind)
         if why is not None:
             plan.sequence_refused = f"{type(block).__name__}: {why}"
             return
