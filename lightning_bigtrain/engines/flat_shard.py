@@ -121,6 +121,8 @@ class _Bucket:
     master: torch.Tensor | None = None  # mixed precision: this rank's fp32 slice (padded to ``chunk``)
     predivided: bool = False  # the reduced buffer was divided by the world size before the sum
     done: bool = False  # reduced in this backward pass (and, at stage 2, its staging buffer released)
+    reduced: bool = False  # stage 1: this rank's slice holds averaged gradients (no zero_grad since)
+    carry: torch.Tensor | None = None  # stage 1: those averaged gradients, set aside while the next backward runs
 
 
 class FlatShardedOptimizer(torch.optim.Optimizer):
@@ -380,6 +382,22 @@ class FlatShardedOptimizer(torch.optim.Optimizer):
             dist.broadcast(flat, src=src, group=self.group)
         return buckets
 
+    @torch.no_grad()
+    def _adopt_grads(self) -> None:
+        """Stage 1: each parameter's ``.grad`` the view into its bucket again, with the value it had (None: zero)."""
+        for b in self._buckets:
+            if b.grad is None:
+                continue
+            for p, offset in zip(b.params, b.offsets, strict=True):
+                view = b.grad[offset : offset + p.numel()].view_as(p)
+                if p.grad is not None and p.grad.data_ptr() == view.data_ptr():
+                    continue
+                if p.grad is None:
+                    view.zero_()
+                else:
+                    view.copy_(p.grad)
+                p.grad = view
+
     def _restore_grad_views(self) -> None:
         for b in self._buckets:
             if b.grad is None:
@@ -410,6 +428,10 @@ class FlatShardedOptimizer(torch.optim.Optimizer):
                 b.grad[lo:hi].div_(self.world)
             b.grad[:lo].zero_()
             b.grad[hi:].zero_()
+            if b.carry is not None:  # averaged gradients of earlier backward passes of this step
+                b.grad[lo:hi].add_(b.carry)
+                b.carry = None
+            b.reduced = True
         else:
             assert b.staging is not None and b.shard_grad is not None
             if b.predivided:
@@ -417,6 +439,34 @@ class FlatShardedOptimizer(torch.optim.Optimizer):
             else:
                 b.shard_grad.add_(b.staging[lo:hi], alpha=1.0 / self.world)
             b.staging = None
+
+    def begin_backward(self) -> None:
+        """Called before each backward pass (the strategy's ``backward``). Stage 1: a slice that already holds
+        averaged gradients (a synchronised backward pass without ``zero_grad`` since: manual optimization that
+        accumulates with ``manual_backward`` each micro-batch, as DDP allows) is set aside, so the next reduction
+        averages only the new local gradients and adds it back. Reducing the sum instead would count it again on
+        this rank and halve it in the average. Stage 2 keeps its reduced slice apart already.
+
+        Stage 1 also puts back the gradient views that ``module.zero_grad()`` (Lightning calls it before every run;
+        a user may too) replaced with ``None``: zeroed, so that this backward pass accumulates into the buckets. A
+        gradient the user assigned is copied into its view."""
+        self._adopt_grads()
+        for b in self._buckets:
+            if b.reduced and b.grad is not None:
+                lo, hi = self.rank * b.chunk, (self.rank + 1) * b.chunk
+                b.carry = b.grad[lo:hi].clone() if b.carry is None else b.carry.add_(b.grad[lo:hi])
+                b.grad[lo:hi].zero_()
+                b.reduced = False
+
+    def _settle(self) -> None:
+        """Stage 1: averaged gradients set aside by :meth:`begin_backward` whose backward pass was not
+        synchronised (``no_sync``) go back into the slice before anything reads it (as with DDP, the local
+        gradients of that pass are added to them unreduced)."""
+        for b in self._buckets:
+            if b.carry is not None and b.grad is not None:
+                b.grad[self.rank * b.chunk : (self.rank + 1) * b.chunk].add_(b.carry)
+                b.carry = None
+                b.reduced = True
 
     def reduce_gradients(self) -> None:
         """Finish every bucket's reduce-scatter: average this rank's slices, zero the slices it does not own."""
@@ -447,6 +497,7 @@ class FlatShardedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._settle()
         if not self._mixed:
             self.inner.step()
         else:
@@ -515,6 +566,7 @@ class FlatShardedOptimizer(torch.optim.Optimizer):
         # Gradients are views into the flat buffers (stage 1) or owned slices (stage 2): zero, never drop.
         for b in self._buckets:
             (b.grad if b.grad is not None else b.shard_grad).zero_()  # type: ignore[union-attr]
+            b.reduced, b.carry = False, None
         self._restore_grad_views()
 
     def state_dict(self) -> dict[str, Any]:

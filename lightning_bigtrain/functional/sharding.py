@@ -154,6 +154,38 @@ def shard_module_(
     return module
 
 
+def regather_root_in_step_(root: nn.Module) -> list[Any]:
+    """Manual optimization on a sharded root: gather the root unit's parameters again whenever a module holding
+    some of them runs (a forward pre-hook on each; gathering is a no-op while they are gathered). Returns the hook
+    handles.
+
+    The strategy runs a step through the root's call, so FSDP2 gathers the root's own parameters (those outside
+    every unit: small leftover layers, tied embeddings) once, at the step's start. With manual optimization a step
+    may run backward and step the optimizer and then call the modules again (a GAN's generator phase after its
+    discriminator's, ``manual_backward`` per micro-batch): backward reshards the root unit, and a later call of a
+    module it holds directly (not through the root's own ``forward``) would meet the sharded parameters. After each
+    optimizer step the caller reshards the root (:meth:`FSDPModule.reshard`), so that a module called next gathers
+    the stepped values, never a stale gathered copy.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    owners: list[nn.Module] = []
+
+    def visit(m: nn.Module) -> None:
+        if m is not root and next(m.parameters(recurse=False), None) is not None:
+            owners.append(m)
+        for child in m.children():
+            if not isinstance(child, FSDPModule):
+                visit(child)
+
+    visit(root)
+
+    def gather(module: nn.Module, args: Any) -> None:
+        root.unshard()  # type: ignore[operator]
+
+    return [m.register_forward_pre_hook(gather) for m in owners]
+
+
 def _prefetch_neighbours(root: nn.Module, units: list[nn.Module]) -> None:
     """Issue each unit's all-gather asynchronously while its neighbour computes.
 

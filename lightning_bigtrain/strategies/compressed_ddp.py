@@ -143,6 +143,7 @@ class CompressedDDPStrategy(FaultTolerantStrategyMixin, DDPStrategy):
         self.hierarchical = hierarchical
         self.compression = compressor
         self._support = CompressionSupport(compressor)
+        self._exchange_group: Any = None  # the flat exchange's own process group (see _register_ddp_hooks)
         self._init_fault_tolerance()
 
     @override
@@ -189,7 +190,15 @@ class CompressedDDPStrategy(FaultTolerantStrategyMixin, DDPStrategy):
         if not compression_applies(self.compression, self.model.module, self.world_size, "CompressedDDPStrategy",
                                    shown=shown):  # fmt: skip
             return  # dense DDP, with the reason warned
-        engine = GradientCompression(self.compression, self.model.module, nodes=self._node_groups())
+        nodes = self._node_groups()
+        # The engine's collectives run on its own thread; DDP's run on the autograd thread (with
+        # find_unused_parameters=True or a static graph's first step, DDP all-reduces its map of used parameters
+        # while the last bucket is exchanged). On one process group two threads' collectives can reach the ranks in
+        # different orders: gloo aborts ("collective mismatch"), NCCL hangs. The flat exchange gets a group of its
+        # own (the hierarchical one runs on its node groups already).
+        if nodes is None:
+            self._exchange_group = torch.distributed.new_group()
+        engine = GradientCompression(self.compression, self.model.module, group=self._exchange_group, nodes=nodes)
         if self.momentum is not None:
             self.model.register_comm_hook(self._optimizer_ref, phase_hook)
         else:
@@ -302,4 +311,8 @@ class CompressedDDPStrategy(FaultTolerantStrategyMixin, DDPStrategy):
     @override
     def teardown(self) -> None:
         self._support.close()
+        if self._exchange_group is not None:
+            if torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group(self._exchange_group)
+            self._exchange_group = None
         super().teardown()

@@ -16,7 +16,9 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
+from lightning.pytorch.plugins.precision import DeepSpeedPrecision
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
+from lightning.pytorch.utilities import GradClipAlgorithmType
 from typing_extensions import override
 
 from lightning_bigtrain._compat import _IS_INTERACTIVE
@@ -290,6 +292,8 @@ class DeepSpeedZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, DeepSpeedStr
         self.deepspeed_options = ds
         self._rng_seed: int | None = None
         self.memory: dict[str, int] = {}
+        self._backwards_since_step = 0
+        self._manual_clip: float | None = None  # manual optimization: `clip_gradients` for the next engine step
         self._init_fault_tolerance()
 
     @override
@@ -365,6 +369,9 @@ class DeepSpeedZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, DeepSpeedStr
                 self.config["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": True}
         self._fix_host_allocator(on_cpu or offload)
         self._rng_seed = torch.initial_seed()  # replaced by the checkpoint's on resume
+        if type(self.precision_plugin) is DeepSpeedPrecision:
+            self.precision_plugin = _EngineClipping(self.precision_plugin.precision, self)
+        self._backwards_since_step, self._manual_clip = 0, None
         super().setup(trainer)
 
     @override
@@ -400,6 +407,17 @@ class DeepSpeedZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, DeepSpeedStr
         # divide it again (`scale_wrt_gas=True` by default), shrinking gradients by the square of the
         # accumulation (Adam hides most of it; clipping and SGD do not). Divide once.
         kwargs.setdefault("scale_wrt_gas", False)
+        module = self.lightning_module
+        if module is not None and not module.automatic_optimization and self.stage < 3 and self._backwards_since_step:
+            raise RuntimeError(
+                f"`DeepSpeedZeroStrategy(stage={self.stage})` with manual optimization: `manual_backward` ran again "
+                "before the optimizer stepped. DeepSpeed's stages 1 and 2 take every backward pass for the last of "
+                "its step (their accumulation is the engine's, set from the Trainer), so the step's gradients would "
+                "not be the sum over the passes. "
+                "Accumulate with `Trainer(accumulate_grad_batches=N)` and automatic optimization, sum the losses "
+                "into one `manual_backward`, or use stage=3 or ZeroStrategy (the torch engine), which accumulate."
+            )
+        self._backwards_since_step += 1
         return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     @override
@@ -432,7 +450,17 @@ class DeepSpeedZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, DeepSpeedStr
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         closure = self._closure_counting_state(closure, self._count_memory)
-        return super().optimizer_step(optimizer, closure, model, **kwargs)
+        clip, self._manual_clip = self._manual_clip, None
+        engine_optimizer = getattr(self.deepspeed_engine, "optimizer", None)
+        configured = getattr(engine_optimizer, "clip_grad", None)
+        if clip is not None and configured is not None:
+            engine_optimizer.clip_grad = clip  # type: ignore[union-attr]
+        try:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        finally:
+            if clip is not None and configured is not None:
+                engine_optimizer.clip_grad = configured  # type: ignore[union-attr]
+            self._backwards_since_step = 0
 
     def model_state_bytes(self) -> dict[str, int]:
         """This rank's model-state bytes now (:func:`deepspeed_state_bytes`)."""
@@ -442,6 +470,37 @@ class DeepSpeedZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, DeepSpeedStr
         """Per-rank bytes of parameters (stage 3: this rank's partitions), the fp32 partitions and gradients the
         engine keeps, and optimizer states, counted once in the second step after backward."""
         self._log_state_bytes(self.model_state_bytes())
+
+
+class _EngineClipping(DeepSpeedPrecision):
+    """DeepSpeed's precision plugin whose ``clip_gradients`` acts under manual optimization. Lightning's is a no-op
+    (the engine clips by the norm in ``Trainer(gradient_clip_val=...)``, which manual optimization does not allow), so
+    ``self.clip_gradients(opt, gradient_clip_val=...)`` in a manual ``training_step`` did nothing. Here it sets the
+    engine's clipping norm for the next step only (the engine clips the reduced partitions by the global norm, as
+    ``torch.nn.utils.clip_grad_norm_`` does). Automatic optimization is unchanged."""
+
+    def __init__(self, precision: Any, strategy: DeepSpeedZeroStrategy) -> None:
+        super().__init__(precision)
+        self._strategy = strategy
+
+    @override
+    def clip_gradients(
+        self,
+        optimizer: Any,
+        clip_val: int | float = 0.0,
+        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
+    ) -> None:
+        module = self._strategy.lightning_module
+        if module is None or module.automatic_optimization or clip_val <= 0:
+            return super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
+        if gradient_clip_algorithm != GradClipAlgorithmType.NORM:
+            raise ValueError(
+                f"`clip_gradients(gradient_clip_algorithm={str(gradient_clip_algorithm.value)!r})` under "
+                "DeepSpeedZeroStrategy: DeepSpeed's engine clips by the global norm only. Pass "
+                "gradient_clip_algorithm='norm', or use ZeroStrategy (the torch engine), which clips by value too."
+            )
+        self._strategy._manual_clip = float(clip_val)
+        return None
 
 
 def _restore_torch_linear() -> bool:

@@ -9,7 +9,7 @@ import threading
 from collections.abc import Generator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
@@ -48,6 +48,7 @@ from lightning_bigtrain.functional.sharding import (
     auto_wrap_targets,
     count_comm_,
     is_fully_sharded,
+    regather_root_in_step_,
     shard_module_,
 )
 from lightning_bigtrain.functional.tensor_parallel import (
@@ -248,6 +249,7 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         self.offload_params = offload_params
         self.min_wrap_params = min_wrap_params
         self._sharded_root = False  # FSDP2 shards the LightningModule itself (set in setup)
+        self._root_hooks: list[Any] = []  # manual optimization on a sharded root: regather_root_in_step_'s hooks
         self.options = options
         self.compression = compressor
         self._compression_active = False
@@ -373,6 +375,11 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
                     async_prefetch=self.root_device.type == "cpu",
                 )
         self._sharded_root = is_fully_sharded(self.model)  # read by every step (_step): computed once here
+        for handle in self._root_hooks:
+            handle.remove()
+        self._root_hooks = []
+        if self._sharded_root and not module.automatic_optimization:
+            self._root_hooks = regather_root_in_step_(self.model)
         counter = CommCounter(self.world_size)
         self._fsdp_comm = counter if count_comm_(self.model, counter) else None
         self.model_to_device()
@@ -834,6 +841,9 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         self._async_commits.poll(self.is_global_zero, block=True)
         if self._compression is not None:
             self._compression.close()
+        for handle in self._root_hooks:
+            handle.remove()
+        self._root_hooks = []
         super().teardown()
 
     @override
@@ -988,6 +998,8 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         result = self._optimizer_step(optimizer, closure, model, **kwargs)
+        if self._root_hooks:  # manual optimization: the root's next use gathers the stepped parameters
+            cast(Any, self.model).reshard()
         self._log_comm()
         if self._compression is not None:
             self._compression.after_step(self)
@@ -1011,6 +1023,9 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         if self._pipeline is None:
+            for o in self.optimizers:
+                if isinstance(o, FlatShardedOptimizer):
+                    o.begin_backward()
             return super().backward(closure_loss, optimizer, *args, **kwargs)
         # The schedule ran every micro-batch's backward inside the step; Lightning's hooks around it still run.
         module = self.lightning_module

@@ -135,3 +135,37 @@ def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(shard_gradients)
         assert not r["steps"][0]["changed"] and r["steps"][0]["scale"] == 2.0**7  # skipped, scale halved
         assert r["steps"][1]["changed"] and r["steps"][1]["scale"] == 2.0**7
     torch.testing.assert_close(r0["steps"][1]["w"], r1["steps"][1]["w"], rtol=0, atol=0)
+
+
+def _synced_backwards(rank: int, shard_gradients: bool, no_sync_middle: bool) -> float:
+    """Three backward passes before one SGD step (DDP's semantics: each synchronised pass all-reduces the sum so far),
+    the first after ``module.zero_grad()`` (gradients None, as Lightning leaves them before a run); optionally the
+    middle one under ``require_sync = False`` (DDP's ``no_sync``)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2,))
+    reference, sharded = _net(), _net()
+    opt = FlatShardedOptimizer(torch.optim.SGD(sharded.parameters(), lr=1.0), mesh, 64, shard_gradients)
+    sharded.zero_grad()
+    xs = [torch.randn(3, 7, generator=torch.Generator().manual_seed(10 * k + rank)) for k in range(3)]
+    for k, x in enumerate(xs):
+        opt.begin_backward()  # what ZeroStrategy.backward calls
+        opt.require_sync = not (no_sync_middle and k == 1)
+        sharded(x).sum().backward()
+    opt.require_sync = True
+    for x in xs:
+        reference(x).sum().backward()
+    grads = torch.cat([p.grad.reshape(-1) for p in reference.parameters()])
+    torch.distributed.all_reduce(grads)
+    expected = torch.cat([p.detach().reshape(-1) for p in reference.parameters()]) - grads / 2
+    opt.step()
+    return float((torch.cat([p.detach().reshape(-1) for p in sharded.parameters()]) - expected).abs().max())
+
+
+@pytest.mark.parametrize(("shard_gradients", "no_sync_middle"), [(False, False), (False, True), (True, False)],
+                         ids=["stage1", "stage1_no_sync_middle", "stage2"])  # fmt: skip
+def test_several_synchronised_backward_passes_accumulate_as_ddp(shard_gradients, no_sync_middle):
+    """Manual optimization's accumulation: stage 1 reduced the slice it had already averaged again (so half of it was
+    lost), and the first pass after ``module.zero_grad()`` wrote its gradients outside the buckets."""
+    for error in run_on_ranks(_synced_backwards, shard_gradients, no_sync_middle):
+        assert error < 1e-5
