@@ -207,6 +207,9 @@ class FlatShardedOptimizer(torch.optim.Optimizer):
         self._in_flight: list[_Bucket] = []  # stage 2: buckets whose reduce-scatter has not been waited for
         self._shards: list[list[nn.Parameter]] = []  # per group: the slices the optimizer's groups show
         self._pairs: list[tuple[_Bucket, nn.Parameter, nn.Parameter]] = []  # (bucket, its slice, what is stepped)
+        #: The user's optimizer's parameters per group, in order (frozen ones included): what a plain optimizer's
+        #: state is keyed by (positions), for resuming a checkpoint written by one.
+        self.group_params: list[list[torch.Tensor]] = [list(g["params"]) for g in optimizer.param_groups]
         inner_groups = []
         for group in optimizer.param_groups:
             params = [p for p in group["params"] if p.requires_grad]

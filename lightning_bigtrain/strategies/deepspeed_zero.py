@@ -27,6 +27,7 @@ from lightning_bigtrain.functional.compression import Cast, Compressor
 from lightning_bigtrain.strategies._common import RNG_KEY, ZeroCommon
 from lightning_bigtrain.strategies._compression import resolve_compression
 from lightning_bigtrain.strategies._fault import FaultTolerantStrategyMixin
+from lightning_bigtrain.strategies._layouts import saved_layout_kind
 from lightning_bigtrain.strategies.options import (
     DeepSpeedOptions,
     ZeroOptions,
@@ -442,6 +443,14 @@ class DeepSpeedZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, DeepSpeedStr
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         location = str(self.broadcast(load_path(str(checkpoint_path)) if self.is_global_zero else None))
+        kind = str(self.broadcast(saved_layout_kind(location) if self.is_global_zero else None))
+        if kind != "deepspeed":
+            raise ValueError(
+                f"`DeepSpeedZeroStrategy(stage={self.stage})` cannot resume {location!r}: it is not DeepSpeed's "
+                f"checkpoint ({'one file: plain Lightning' if kind == 'file' else 'a folder: ZeroStrategy'}'s). "
+                "Resume it with ZeroStrategy (the torch engine resumes plain Lightning files and "
+                "either of its layouts at any stage), or load its weights into the module before `fit`."
+            )
         checkpoint = super().load_checkpoint(location, weights_only)
         self._restore_rng_state(checkpoint)
         return checkpoint

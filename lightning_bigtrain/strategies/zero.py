@@ -20,7 +20,6 @@ from typing_extensions import override
 from lightning_bigtrain._compat import (
     _IS_INTERACTIVE,
     _METADATA_FILENAME,
-    _load_distributed_checkpoint,
     _materialize_distributed_module,
     _MultiProcessingLauncher,
     _optimizers_to_device,
@@ -67,6 +66,14 @@ from lightning_bigtrain.strategies._compression import (
     resolve_compression,
 )
 from lightning_bigtrain.strategies._fault import FaultTolerantStrategyMixin
+from lightning_bigtrain.strategies._layouts import (
+    LAYOUT_KEY,
+    apply_named_state,
+    masters_into_state_dict,
+    named_optimizer_state,
+    read_whole,
+    saved_layout_kind,
+)
 from lightning_bigtrain.strategies._pipeline import PipelineRunner
 from lightning_bigtrain.strategies.options import (
     DeepSpeedOptions,
@@ -84,7 +91,6 @@ if TYPE_CHECKING:
 
 __all__ = ["ZeroStrategy", "consolidate_checkpoint"]
 _CAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-_LAYOUT_KEY = "bigtrain_flat_layout"  # mixed-precision stages 1-2: where parameters lie in the fp32 masters
 
 
 class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy):
@@ -682,11 +688,12 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         or a pointer object on object stores); one file: through the atomic ``checkpoint_io``."""
         checkpoint[RNG_KEY] = self._rng_state()
         flats = [getattr(o, "_optimizer", o) for o in self.optimizers]
-        if any(isinstance(o, FlatShardedOptimizer) and o._mixed for o in flats):
-            # Where each parameter lies in the fp32 masters, so `consolidate_checkpoint` writes fp32 weights.
+        if any(isinstance(o, FlatShardedOptimizer) for o in flats):
+            # Where each parameter lies in the flat buckets: `consolidate_checkpoint` writes the fp32 masters as the
+            # weights, and a resume at stage 3 (another layout) cuts the buckets' states into parameters.
             assert self.model is not None
-            checkpoint[_LAYOUT_KEY] = [o.layout(self.model) if isinstance(o, FlatShardedOptimizer) else None
-                                       for o in flats]  # fmt: skip
+            checkpoint[LAYOUT_KEY] = [o.layout(self.model) if isinstance(o, FlatShardedOptimizer) else None
+                                      for o in flats]  # fmt: skip
         if self._compression is not None:
             state = self._compression.state_for_checkpoint(self)
             if state is not None:
@@ -777,7 +784,14 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         location = str(self.broadcast(load_path(str(checkpoint_path)) if self.is_global_zero else None))
         packed = self._layout_differs
         pipelined = self._pipeline is not None
-        if not self._flat_engine and not _is_url(location) and not packed and not pipelined:
+        kind = str(self.broadcast(saved_layout_kind(location) if self.is_global_zero else None))
+        if kind == "deepspeed":
+            raise ValueError(
+                f"`ZeroStrategy(stage={self.stage})` cannot resume {location!r}: it is DeepSpeed's checkpoint "
+                "(DeepSpeedZeroStrategy). Resume it with DeepSpeedZeroStrategy, or write its weights as one file "
+                "(`bigtrain consolidate`) and load them into the module before `fit`."
+            )
+        if kind == "named" and not self._flat_engine and not _is_url(location) and not packed and not pipelined:
             return super().load_checkpoint(location, weights_only=weights_only)
         if pipelined and not Path(location).is_dir() and not _is_url(location):
             raise ValueError(
@@ -802,6 +816,16 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         )
 
         assert self.model is not None
+        mine = "flat" if self._flat_engine else "named"
+        if kind in ("file", "flat", "named") and kind != mine:
+            if packed or pipelined:
+                raise ValueError(
+                    f"`ZeroStrategy(tensor_parallel={self.tensor_parallel}, "
+                    f"pipeline_parallel={self.pipeline_parallel})` cannot resume {location!r}: it was written by "
+                    "stage 1 or 2 without tensor or pipeline parallelism (flat buckets). Resume it at stage 3 first "
+                    "and save, then resume that one here."
+                )
+            return self._load_converted(location, kind)
         # Targets to load into: this rank's shards, laid out as they were saved.
         state: dict[str, Any] = {"state_dict": get_model_state_dict(self.model)}
         for i, optimizer in enumerate(self.optimizers):
@@ -835,6 +859,53 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
                 set_optimizer_state_dict(self.model, optimizer, state[f"optimizer_{i}"])
         with fsspec.open(f"{location.rstrip('/')}/{_METADATA_FILENAME}", "rb") as f:
             return torch.load(f, weights_only=bool(weights_only))
+
+    def _load_converted(self, location: str, kind: str) -> dict[str, Any]:
+        """Resume a checkpoint written in another optimizer-state layout (:mod:`._layouts`): a plain Lightning file
+        (DDP's), or the other engine's folder (flat buckets at stage 3, per-parameter shards at stages 1-2)."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        assert self.model is not None and self.lightning_module is not None
+        checkpoint = read_whole(location, _METADATA_FILENAME)
+        layouts = checkpoint.get(LAYOUT_KEY) or []
+        if kind == "flat" and not layouts:
+            raise ValueError(
+                f"`ZeroStrategy(stage={self.stage})` cannot resume {location!r} in this layout: it was written at "
+                "stage 1 or 2 by a version that did not save where each parameter lies in the flat buckets. Resume "
+                "it at stage 1 or 2 (then save again), or consolidate its weights (`bigtrain consolidate`)."
+            )
+        masters_into_state_dict(checkpoint)
+        checkpoint.pop(LAYOUT_KEY, None)
+        weights = checkpoint.pop("state_dict")
+        saved_states = checkpoint.pop("optimizer_states", [])
+        if len(saved_states) != len(self.optimizers):
+            raise ValueError(
+                f"`ZeroStrategy(stage={self.stage})` cannot resume {location!r}: it holds {len(saved_states)} "
+                f"optimizer state(s), configure_optimizers made {len(self.optimizers)}."
+            )
+        strict = self.lightning_module.strict_loading
+        if self._flat_engine:
+            self.model.load_state_dict(weights, strict=strict)
+        else:
+            set_model_state_dict(self.model, weights, options=StateDictOptions(full_state_dict=True, strict=strict))
+        names: dict[int, str] = {}
+        for name, p in self.model.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), name)
+        for i, (optimizer, state) in enumerate(zip(self.optimizers, saved_states, strict=True)):
+            flat = optimizer if isinstance(optimizer, FlatShardedOptimizer) else None
+            groups = flat.group_params if flat is not None else [g["params"] for g in optimizer.param_groups]
+            group_names = [[names[id(p)] for p in group] for group in groups]
+            layout = layouts[i] if i < len(layouts) else None
+            named = named_optimizer_state(state, layout, group_names, repr(location))
+            if flat is not None:
+                apply_named_state(flat, self.model, named, weights)
+            else:
+                set_optimizer_state_dict(self.model, optimizer, named, options=StateDictOptions(full_state_dict=True))
+        return checkpoint
 
     @override
     def teardown(self) -> None:
@@ -1259,29 +1330,11 @@ def consolidate_checkpoint(path: str | os.PathLike[str], output: str | os.PathLi
         with contextlib.redirect_stdout(io.StringIO()):
             convert_zero_checkpoint_to_fp32_state_dict(folder, out)
         return out
-    checkpoint = _load_distributed_checkpoint(folder)
+    checkpoint = read_whole(str(folder), _METADATA_FILENAME)
     if "state_dict" not in checkpoint:
         raise ValueError(f"{folder} holds no `state_dict`; is it a ZeroStrategy checkpoint?")
-    _masters_into_state_dict(checkpoint)
-    for key in [k for k in checkpoint if k.startswith("optimizer_")]:
-        del checkpoint[key]
+    masters_into_state_dict(checkpoint)
+    checkpoint.pop(LAYOUT_KEY, None)
+    checkpoint.pop("optimizer_states", None)
     torch.save(checkpoint, out)
     return out
-
-
-def _masters_into_state_dict(checkpoint: dict[str, Any]) -> None:
-    """Mixed precision at stages 1-2: replace the 16-bit weights of ``state_dict`` with the fp32 masters kept in the
-    optimizer states (each bucket's ``"master"``), by the layout saved beside them."""
-    for i, layout in enumerate(checkpoint.pop(_LAYOUT_KEY, None) or []):
-        if layout is None:
-            continue
-        states = checkpoint[f"optimizer_{i}"]["state"]
-        for index, bucket in enumerate(layout):
-            state = states.get(index, states.get(str(index), {}))
-            master = state.get("master")
-            if master is None:  # a bucket kept in fp32 (normalization layers): its weights are fp32 already
-                continue
-            for names, offset, shape in bucket:
-                numel = math.prod(shape)
-                for name in names:
-                    checkpoint["state_dict"][name] = master[offset : offset + numel].reshape(shape).clone()

@@ -1,0 +1,87 @@
+"""Resuming a checkpoint under another strategy than the one that wrote it, on 2 CPU ranks: a plain Lightning DDP
+file into ZeRO at any stage, ZeRO-1/2's flat buckets into stage 3 and back. The resumed run ends on the weights of
+the uninterrupted DDP run (the checkpoint at an epoch boundary, so that plain DDP's data order resumes too); what
+cannot be converted (DeepSpeed's folders and the torch engine's, both ways) is refused with the way out."""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lightning_bigtrain.data import ShakespeareDataModule
+from lightning_bigtrain.models import CharGPT
+from lightning_bigtrain.strategies import DeepSpeedZeroStrategy, ZeroStrategy
+from tests.helpers.distributed import run_on_ranks
+
+pytestmark = pytest.mark.integration
+
+_COMMON = dict(accelerator="cpu", devices=2, limit_val_batches=0, logger=False, enable_progress_bar=False,
+               enable_model_summary=False)  # fmt: skip
+_STEPS, _STOP = 24, 16  # 16 optimizer steps per epoch: the checkpoint is at the end of the first
+
+
+def _strategy(name: str):
+    if name == "ddp":
+        return "ddp"
+    if name.startswith("ds"):
+        return DeepSpeedZeroStrategy(int(name[2]))
+    return ZeroStrategy(stage=int(name[4]), min_wrap_params=1000)
+
+
+class _StopAt(L.Callback):
+    def on_train_batch_end(self, trainer, *args):
+        if trainer.global_step >= _STOP:
+            trainer.should_stop = True
+
+
+def _fit(name: str, folder: str | None = None, ckpt_path: str | None = None) -> torch.Tensor:
+    """The char-GPT with its warm-up + cosine schedule over 24 steps (stopped after 16 when it saves)."""
+    L.seed_everything(0, verbose=False)
+    model = CharGPT(block_size=32, n_layer=2, n_head=2, n_embd=32, warmup_steps=3)
+    callbacks = [ModelCheckpoint(dirpath=folder, every_n_train_steps=_STOP), _StopAt()] if folder else []
+    trainer = L.Trainer(strategy=_strategy(name), max_steps=_STEPS, enable_checkpointing=bool(folder),
+                        callbacks=callbacks, **_COMMON)  # fmt: skip
+    trainer.fit(model, datamodule=ShakespeareDataModule(block_size=32, batch_size=8, subset=256), ckpt_path=ckpt_path)
+
+    def full(t):
+        f = getattr(t, "full_tensor", None)
+        return (f() if callable(f) else t).detach().reshape(-1).cpu()
+
+    return torch.cat([full(p) for p in model.parameters()])
+
+
+def _switch(rank: int, root: str, pairs: list[tuple[str, str]]) -> dict[str, object]:
+    out: dict[str, object] = {"ddp": _fit("ddp")}
+    for saved, resumed in pairs:
+        folder = os.path.join(root, f"{saved}_{resumed}")
+        _fit(saved, folder=folder)
+        (checkpoint,) = glob.glob(os.path.join(folder, "*.ckpt"))
+        try:
+            out[f"{saved}>{resumed}"] = _fit(resumed, ckpt_path=checkpoint)
+        except ValueError as err:
+            out[f"{saved}>{resumed}"] = str(err)
+    return out
+
+
+def test_resume_under_another_strategy_ends_where_ddp_ends(tmp_path):
+    """Before: a DDP file into ZeRO-1/2 failed deep in torch's checkpoint reader, into ZeRO-3 on Lightning's re-keying
+    by module order (the char-GPT's optimizer groups its parameters otherwise); ZeRO-1's folder into ZeRO-3 and back
+    on missing keys."""
+    pairs = [("ddp", "zero1"), ("ddp", "zero3"), ("zero1", "zero3"), ("zero3", "zero2")]
+    for r in run_on_ranks(_switch, str(tmp_path), pairs, init_process_group=False):
+        for saved, resumed in pairs:
+            torch.testing.assert_close(r[f"{saved}>{resumed}"], r["ddp"], rtol=0, atol=1e-6, msg=f"{saved}>{resumed}")
+
+
+def test_deepspeed_and_torch_engine_checkpoints_refuse_each_other(tmp_path):
+    pairs = [("ddp", "ds2"), ("ds2", "zero2")]
+    r = run_on_ranks(_switch, str(tmp_path), pairs, init_process_group=False)[0]
+    assert "is not DeepSpeed's checkpoint (one file: plain Lightning's)" in r["ddp>ds2"]
+    assert "Resume it with ZeroStrategy" in r["ddp>ds2"]
+    assert "it is DeepSpeed's checkpoint" in r["ds2>zero2"]
+    assert "bigtrain consolidate" in r["ds2>zero2"]
