@@ -167,7 +167,9 @@ def _consolidate_main(argv: list[str]) -> int:
 
     parser = argparse.ArgumentParser(
         prog="bigtrain consolidate",
-        description="Turn a sharded ZeroStrategy checkpoint folder into one file that plain Lightning loads.",
+        description="Turn a sharded ZeroStrategy checkpoint folder into one file that plain Lightning loads "
+        "(load_from_checkpoint) and resumes (Trainer(strategy='ddp').fit(..., ckpt_path=FILE)), optimizer states "
+        "included.",
     )
     parser.add_argument("checkpoint", help="the sharded checkpoint folder (e.g. .../last.ckpt)")
     parser.add_argument("output", help="the single checkpoint file to write")

@@ -25,8 +25,10 @@ from lightning_bigtrain.engines.flat_shard import FlatShardedOptimizer
 from lightning_bigtrain.functional.sharding import local_view
 
 __all__ = [
+    "GROUPS_KEY",
     "LAYOUT_KEY",
     "apply_named_state",
+    "indexed_optimizer_state",
     "masters_into_state_dict",
     "named_optimizer_state",
     "read_whole",
@@ -36,6 +38,12 @@ __all__ = [
 #: Per optimizer: where each parameter lies in each flat bucket, ``[(names, offset, shape), ...]`` per bucket (None
 #: for an optimizer that is not flat). Written by ZeroStrategy at stages 1-2.
 LAYOUT_KEY = "bigtrain_flat_layout"
+
+
+#: Per optimizer: its parameters' names per param group, in the order ``configure_optimizers`` gave them (frozen ones
+#: included), so that a consolidated file holds optimizer states a plain optimizer loads. Written by ZeroStrategy
+#: without tensor or pipeline parallelism.
+GROUPS_KEY = "bigtrain_param_groups"
 
 
 def saved_layout_kind(location: str) -> str:
@@ -153,6 +161,23 @@ def named_optimizer_state(
     named = {order[position[k]]: v for k, v in ((int(k), v) for k, v in state.items())}
     renamed = [{**g, "params": list(names)} for g, names in zip(groups, group_names, strict=True)]
     return {"state": named, "param_groups": renamed}
+
+
+def indexed_optimizer_state(named: dict[str, Any], group_names: list[list[str]]) -> dict[str, Any]:
+    """``named`` (by parameter name) keyed by position over ``group_names``, as a plain optimizer's ``state_dict``
+    (what ``torch.optim.Optimizer.load_state_dict`` and plain Lightning resume)."""
+    saved_group = {name: g for g in named["param_groups"] for name in g["params"]}
+    state, groups, start = {}, [], 0
+    for names in group_names:
+        hyper: dict[str, Any] = next((saved_group[n] for n in names if n in saved_group), {})
+        groups.append(
+            {**{k: v for k, v in hyper.items() if k != "params"}, "params": list(range(start, start + len(names)))}
+        )
+        for offset, name in enumerate(names):
+            if name in named["state"]:
+                state[start + offset] = named["state"][name]
+        start += len(names)
+    return {"state": state, "param_groups": groups}
 
 
 @torch.no_grad()

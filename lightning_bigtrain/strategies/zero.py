@@ -67,8 +67,10 @@ from lightning_bigtrain.strategies._compression import (
 )
 from lightning_bigtrain.strategies._fault import FaultTolerantStrategyMixin
 from lightning_bigtrain.strategies._layouts import (
+    GROUPS_KEY,
     LAYOUT_KEY,
     apply_named_state,
+    indexed_optimizer_state,
     masters_into_state_dict,
     named_optimizer_state,
     read_whole,
@@ -694,6 +696,16 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
             assert self.model is not None
             checkpoint[LAYOUT_KEY] = [o.layout(self.model) if isinstance(o, FlatShardedOptimizer) else None
                                       for o in flats]  # fmt: skip
+        if self.model is not None and self.tensor_parallel == 1 and self.pipeline_parallel == 1:
+            names: dict[int, str] = {}
+            for name, p in self.model.named_parameters(remove_duplicate=False):
+                names.setdefault(id(p), name)
+            checkpoint[GROUPS_KEY] = [
+                [[names[id(p)] for p in group if id(p) in names]
+                 for group in (o.group_params if isinstance(o, FlatShardedOptimizer)
+                               else [g["params"] for g in o.param_groups])]
+                for o in flats
+            ]  # fmt: skip
         if self._compression is not None:
             state = self._compression.state_for_checkpoint(self)
             if state is not None:
@@ -1303,9 +1315,13 @@ def consolidate_checkpoint(path: str | os.PathLike[str], output: str | os.PathLi
     """Turn a sharded ZeroStrategy checkpoint folder (either engine's) into one file that plain Lightning loads.
 
     The result holds the full ``state_dict``, hyper-parameters and loop/callback metadata, so
-    ``YourModule.load_from_checkpoint(output)`` works with no lightning_bigtrain installed. Optimizer
-    states are left out: they are keyed by parameter name in the sharded format, which a plain
-    ``Trainer`` cannot resume; resume training from the sharded folder instead.
+    ``YourModule.load_from_checkpoint(output)`` works with no lightning_bigtrain installed. The optimizer states
+    are converted to a plain optimizer's (keyed by position over its param groups, by the group order saved in the
+    checkpoint), so ``Trainer(strategy="ddp").fit(model, ckpt_path=output)`` resumes training too; a checkpoint
+    written with tensor or pipeline parallelism, or before the group order was saved, gives a file without them
+    (weights, loops and schedulers only). The data cursor of this package's resumable sampler is left out (plain
+    Lightning's loaders take none: resumed mid-epoch, it replays the epoch, with its warning). DeepSpeed's folders
+    give the weights only (DeepSpeed's converter).
 
     Args:
         path: The checkpoint folder written by ``ZeroStrategy`` (e.g. ``.../last.ckpt``); DeepSpeed's folders
@@ -1334,7 +1350,19 @@ def consolidate_checkpoint(path: str | os.PathLike[str], output: str | os.PathLi
     if "state_dict" not in checkpoint:
         raise ValueError(f"{folder} holds no `state_dict`; is it a ZeroStrategy checkpoint?")
     masters_into_state_dict(checkpoint)
-    checkpoint.pop(LAYOUT_KEY, None)
-    checkpoint.pop("optimizer_states", None)
+    layouts = checkpoint.pop(LAYOUT_KEY, None) or []
+    groups = checkpoint.pop(GROUPS_KEY, None)
+    states = checkpoint.pop("optimizer_states", [])
+    if groups is not None and len(groups) == len(states):
+        # Keyed by position over the optimizer's groups, as plain Lightning saves and resumes them.
+        checkpoint["optimizer_states"] = [
+            indexed_optimizer_state(
+                named_optimizer_state(state, layouts[i] if i < len(layouts) else None, names, str(folder)), names
+            )
+            for i, (state, names) in enumerate(zip(states, groups, strict=True))
+        ]
+    # The data cursor is this package's resumable sampler's: plain Lightning's loaders take no state (it refuses one).
+    fit_state = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
+    fit_state.pop("combined_loader", None)
     torch.save(checkpoint, out)
     return out

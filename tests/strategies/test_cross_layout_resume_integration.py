@@ -85,3 +85,27 @@ def test_deepspeed_and_torch_engine_checkpoints_refuse_each_other(tmp_path):
     assert "Resume it with ZeroStrategy" in r["ddp>ds2"]
     assert "it is DeepSpeed's checkpoint" in r["ds2>zero2"]
     assert "bigtrain consolidate" in r["ds2>zero2"]
+
+
+def _consolidated(rank: int, root: str, saved: str) -> dict[str, object]:
+    from lightning_bigtrain.strategies.zero import consolidate_checkpoint
+
+    folder = os.path.join(root, saved)
+    _fit(saved, folder=folder)
+    (checkpoint,) = glob.glob(os.path.join(folder, "*.ckpt"))
+    single = os.path.join(root, f"{saved}.ckpt")
+    if rank == 0:
+        consolidate_checkpoint(checkpoint, single)
+    torch.distributed.barrier() if torch.distributed.is_initialized() else None
+    keys = sorted(torch.load(single, weights_only=False)["optimizer_states"][0]["state"])
+    return {"ddp": _fit("ddp"), "resumed": _fit("ddp", ckpt_path=single), "keys": keys}
+
+
+@pytest.mark.parametrize("saved", ["zero1", "zero3"])
+def test_consolidated_file_resumes_in_plain_lightning_ddp(tmp_path, saved):
+    """The consolidated file holds the optimizer states as a plain optimizer keys them (by position over its groups),
+    so plain Lightning's DDP resumes the ZeRO run's training exactly; before, it held the weights only."""
+    results = run_on_ranks(_consolidated, str(tmp_path), saved, init_process_group=False)
+    for r in results:
+        assert r["keys"] == list(range(len(r["keys"]))) and len(r["keys"]) > 10
+        torch.testing.assert_close(r["resumed"], r["ddp"], rtol=0, atol=1e-6)
