@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from lightning.pytorch.plugins.precision import DeepSpeedPrecision
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from typing_extensions import override
 
@@ -398,6 +399,34 @@ class DeepSpeedZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, DeepSpeedStr
         return engine, ds_optimizer
 
     @override
+    def _initialize_deepspeed_inference(self, model: Any) -> None:
+        """The engine for validate / test / predict outside ``fit``. Lightning's gives DeepSpeed the device's index as
+        its rank, None on CPU (DeepSpeed then fails comparing it); here, as for training, the local rank there."""
+        import argparse
+
+        import deepspeed
+        from lightning.pytorch.strategies.deepspeed import remove_module_hooks
+
+        assert isinstance(self.config, dict) and self.root_device is not None
+        config: dict[str, Any] = {"train_micro_batch_size_per_gpu": 1}  # DeepSpeed's timers need one
+        config.update({k: self.config[k] for k in ("fp16", "bf16") if k in self.config})
+        if self.stage == 3:
+            config["zero_allow_untested_optimizer"] = True
+            config["zero_optimization"] = self.config["zero_optimization"]
+        remove_module_hooks(model)
+        _release_stale_deepspeed_groups()
+        device_rank = self.root_device.index if self.root_device.type == "cuda" else self.local_rank
+        self.model, _, _, _ = deepspeed.initialize(
+            args=argparse.Namespace(device_rank=device_rank),
+            config=config,
+            model=model,
+            optimizer=None,
+            lr_scheduler=None,
+            model_parameters=[],
+            dist_init_required=False,
+        )
+
+    @override
     def teardown(self) -> None:
         super().teardown()
         _restore_torch_linear()
@@ -451,8 +480,36 @@ class DeepSpeedZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, DeepSpeedStr
                 "Resume it with ZeroStrategy (the torch engine resumes plain Lightning files and "
                 "either of its layouts at any stage), or load its weights into the module before `fit`."
             )
-        checkpoint = super().load_checkpoint(location, weights_only)
+        module = self.lightning_module
+        if self.stage == 3 and module is not None and module.trainer.state.fn != TrainerFn.FITTING:
+            checkpoint = self._load_weights_to_evaluate(location)
+        else:
+            checkpoint = super().load_checkpoint(location, weights_only)
         self._restore_rng_state(checkpoint)
+        return checkpoint
+
+    def _load_weights_to_evaluate(self, location: str) -> dict[str, Any]:
+        """Stage 3 outside ``fit`` (``validate`` / ``test`` / ``predict`` with ``ckpt_path``, "best" included): the
+        engine built for evaluation has no ZeRO optimizer, and DeepSpeed reads stage 3's weights only through one
+        (it failed: "'DeepSpeedZeRoOffload' object has no attribute '_restore_from_bit16_weights'"). The fp32 weights
+        are rebuilt from the partitions (DeepSpeed's ``zero_to_fp32``, every rank) and rank 0 writes them into the
+        gathered parameters, which DeepSpeed partitions again."""
+        import contextlib
+        import io
+        import os
+        import tempfile
+
+        import deepspeed
+        from lightning.pytorch.utilities.deepspeed import convert_zero_checkpoint_to_fp32_state_dict
+
+        module = self.lightning_module
+        assert module is not None
+        with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(io.StringIO()):
+            checkpoint = convert_zero_checkpoint_to_fp32_state_dict(location, os.path.join(tmp, "weights.ckpt"))
+        weights = checkpoint.pop("state_dict")
+        with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=0):
+            if self.is_global_zero:
+                module.load_state_dict(weights, strict=module.strict_loading)
         return checkpoint
 
     # ---- model-state bytes ------------------------------------------------------------------------

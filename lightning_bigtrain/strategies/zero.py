@@ -349,6 +349,19 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
                 f"`ZeroStrategy(stage={self.stage})` got a model without trainable parameters "
                 f"({type(module).__name__}): there is nothing to shard or train."
             )
+        from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+        if not self._flat_engine and any(
+            isinstance(c, StochasticWeightAveraging) for c in getattr(trainer, "callbacks", [])
+        ):
+            # Lightning's check names FSDPStrategy and DeepSpeedStrategy only; here it failed in the averaging, on
+            # "mixed torch.Tensor and DTensor".
+            raise ValueError(
+                f"`StochasticWeightAveraging` under `ZeroStrategy(stage={self.stage}, ...)`: it averages into a copy "
+                "of the whole module, which this layout keeps sharded (stage 3, offloading, tensor or pipeline "
+                "parallelism). Use stage 1 or 2 (parameters replicated; averaging works there), or average "
+                "consolidated checkpoints afterwards (`bigtrain consolidate`, `torch.optim.swa_utils`)."
+            )
         _materialize_distributed_module(self.model, self.root_device)
         self._fix_host_allocator(self.root_device.type == "cpu" or self.offload_optimizer)
         self._rng_seed = torch.initial_seed()  # replaced by the checkpoint's on resume
