@@ -15,22 +15,14 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_bigtrain.data import ShakespeareDataModule
 from lightning_bigtrain.models import CharGPT
-from lightning_bigtrain.strategies import DeepSpeedZeroStrategy, ZeroStrategy
 from tests.helpers.distributed import run_on_ranks
+from tests.helpers.strategies import strategy
 
 pytestmark = pytest.mark.integration
 
 _COMMON = dict(accelerator="cpu", devices=2, limit_val_batches=0, logger=False, enable_progress_bar=False,
                enable_model_summary=False)  # fmt: skip
 _STEPS, _STOP = 24, 16  # 16 optimizer steps per epoch: the checkpoint is at the end of the first
-
-
-def _strategy(name: str):
-    if name == "ddp":
-        return "ddp"
-    if name.startswith("ds"):
-        return DeepSpeedZeroStrategy(int(name[2]))
-    return ZeroStrategy(stage=int(name[4]), min_wrap_params=1000)
 
 
 class _StopAt(L.Callback):
@@ -44,7 +36,7 @@ def _fit(name: str, folder: str | None = None, ckpt_path: str | None = None) -> 
     L.seed_everything(0, verbose=False)
     model = CharGPT(block_size=32, n_layer=2, n_head=2, n_embd=32, warmup_steps=3)
     callbacks = [ModelCheckpoint(dirpath=folder, every_n_train_steps=_STOP), _StopAt()] if folder else []
-    trainer = L.Trainer(strategy=_strategy(name), max_steps=_STEPS, enable_checkpointing=bool(folder),
+    trainer = L.Trainer(strategy=strategy(name), max_steps=_STEPS, enable_checkpointing=bool(folder),
                         callbacks=callbacks, **_COMMON)  # fmt: skip
     trainer.fit(model, datamodule=ShakespeareDataModule(block_size=32, batch_size=8, subset=256), ckpt_path=ckpt_path)
 

@@ -12,20 +12,12 @@ from lightning.pytorch.callbacks import ModelCheckpoint, StochasticWeightAveragi
 
 from lightning_bigtrain.data import ShakespeareDataModule
 from lightning_bigtrain.models import CharGPT
-from lightning_bigtrain.strategies import DeepSpeedZeroStrategy, ZeroStrategy
 from tests.helpers.distributed import run_on_ranks
+from tests.helpers.strategies import strategy
 
 pytestmark = pytest.mark.integration
 
 _QUIET = dict(accelerator="cpu", devices=2, enable_progress_bar=False, enable_model_summary=False, logger=False)
-
-
-def _strategy(name: str):
-    if name == "ddp":
-        return "ddp"
-    if name.startswith("ds"):
-        return DeepSpeedZeroStrategy(int(name[2]))
-    return ZeroStrategy(stage=int(name[4]), min_wrap_params=1000)
 
 
 def _model() -> CharGPT:
@@ -44,7 +36,7 @@ def _evaluate_earlier(rank: int, root: str, names: list[str]) -> dict[str, tuple
         model = _model()
         folder = os.path.join(root, name)
         saving = ModelCheckpoint(dirpath=folder, every_n_train_steps=4, save_top_k=-1)
-        trainer = L.Trainer(strategy=_strategy(name), max_steps=8, limit_val_batches=2, num_sanity_val_steps=0,
+        trainer = L.Trainer(strategy=strategy(name), max_steps=8, limit_val_batches=2, num_sanity_val_steps=0,
                             callbacks=[saving], **_QUIET)  # fmt: skip
         trainer.fit(model, datamodule=_data())
         (trained,) = trainer.validate(model, datamodule=_data(), verbose=False)
@@ -73,7 +65,7 @@ def _swa(rank: int, names: list[str]) -> dict[str, object]:
     for name in names:
         L.seed_everything(0, verbose=False)
         model = _model()
-        trainer = L.Trainer(strategy=_strategy(name), max_epochs=2, limit_train_batches=4, limit_val_batches=0,
+        trainer = L.Trainer(strategy=strategy(name), max_epochs=2, limit_train_batches=4, limit_val_batches=0,
                             enable_checkpointing=False, callbacks=[StochasticWeightAveraging(swa_lrs=1e-3,
                             swa_epoch_start=1)], **_QUIET)  # fmt: skip
         try:
