@@ -135,3 +135,44 @@ def test_zero2_compressed_reduce_scatter_trains_keeps_replicas_and_counts_its_by
     assert onebit["memory"]["compression"] == 4 * onebit["trainable"]
     assert "compression" not in dense["memory"]
     assert onebit["memory"]["total"] == dense["memory"]["total"] + 4 * onebit["trainable"]
+
+
+class _WithUnusedLayer(L.LightningModule):
+    """A model with a layer its step never uses: DDP needs ``find_unused_parameters=True``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hidden, self.out, self.unused = torch.nn.Linear(8, 64), torch.nn.Linear(64, 1), torch.nn.Linear(8, 8)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.out(torch.tanh(self.hidden(x))), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _unused(rank: int) -> dict[str, Any]:
+    from lightning_bigtrain.compression import Cast
+
+    out: dict[str, Any] = {}
+    for name in ("ddp", "fp16"):
+        L.seed_everything(0, verbose=False)
+        model = _WithUnusedLayer()
+        g = torch.Generator().manual_seed(0)
+        data = torch.utils.data.TensorDataset(torch.randn(128, 8, generator=g), torch.randn(128, 1, generator=g))
+        strategy = ("ddp_find_unused_parameters_true" if name == "ddp"
+                    else CompressedDDPStrategy(Cast("fp16"), find_unused_parameters=True))  # fmt: skip
+        trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=2, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False)  # fmt: skip
+        trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=8))
+        out[name] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return out
+
+
+def test_find_unused_parameters_trains_like_ddp():
+    """The exchange thread and DDP's all-reduce of its used-parameter map shared one process group: gloo aborted both
+    ranks ("collective mismatch"). The exchange has a group of its own."""
+    for r in run_on_ranks(_unused, init_process_group=False):
+        torch.testing.assert_close(r["fp16"], r["ddp"], rtol=1e-3, atol=1e-4)
