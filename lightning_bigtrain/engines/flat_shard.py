@@ -391,10 +391,11 @@ class FlatShardedOptimizer(torch.optim.Optimizer):
         for b in self._buckets:
             if b.grad is None:
                 continue
+            start, size = b.grad.data_ptr(), b.grad.element_size()
             for p, offset in zip(b.params, b.offsets, strict=True):
+                if p.grad is not None and p.grad.data_ptr() == start + offset * size:
+                    continue  # the view already (every backward pass but the rare one): no tensor made
                 view = b.grad[offset : offset + p.numel()].view_as(p)
-                if p.grad is not None and p.grad.data_ptr() == view.data_ptr():
-                    continue
                 if p.grad is None:
                     view.zero_()
                 else:

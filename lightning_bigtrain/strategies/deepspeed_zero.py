@@ -385,10 +385,9 @@ class DeepSpeedZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, DeepSpeedStr
         import deepspeed
 
         assert self.root_device is not None
-        device_rank = self.root_device.index if self.root_device.type == "cuda" else self.local_rank
         _release_stale_deepspeed_groups()
         engine, ds_optimizer, _, _ = deepspeed.initialize(
-            args=argparse.Namespace(device_rank=device_rank),
+            args=argparse.Namespace(device_rank=self._device_rank()),
             config=self.config,
             model=model,
             model_parameters=[p for p in model.parameters() if p.requires_grad],
@@ -397,6 +396,12 @@ class DeepSpeedZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, DeepSpeedStr
             dist_init_required=False,
         )
         return engine, ds_optimizer
+
+    def _device_rank(self) -> int:
+        """DeepSpeed's ``device_rank``: this rank's GPU, or on CPU its local rank (DeepSpeed's CPU accelerator ignores
+        it, but reads the world from it; Lightning passes the device index, None on CPU)."""
+        assert self.root_device is not None
+        return int(self.root_device.index if self.root_device.type == "cuda" else self.local_rank)
 
     @override
     def _initialize_deepspeed_inference(self, model: Any) -> None:
@@ -415,9 +420,8 @@ class DeepSpeedZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, DeepSpeedStr
             config["zero_optimization"] = self.config["zero_optimization"]
         remove_module_hooks(model)
         _release_stale_deepspeed_groups()
-        device_rank = self.root_device.index if self.root_device.type == "cuda" else self.local_rank
         self.model, _, _, _ = deepspeed.initialize(
-            args=argparse.Namespace(device_rank=device_rank),
+            args=argparse.Namespace(device_rank=self._device_rank()),
             config=config,
             model=model,
             optimizer=None,
