@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any
 
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.imports import _IS_INTERACTIVE
-from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.load import _METADATA_FILENAME, _load_distributed_checkpoint
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
@@ -39,7 +38,6 @@ __all__ = [
     "_SubprocessScriptLauncher",
     "_WorkerOutput",
     "_load_distributed_checkpoint",
-    "_materialize_distributed_module",
     "_optimizers_to_device",
     "_parse_num_batches",
     "_update_dataloader",

@@ -59,6 +59,12 @@ class WrittenAttention(CausalSelfAttention):
         mask = torch.tril(torch.ones(block_size, block_size)).view(1, 1, block_size, block_size)
         self.register_buffer("mask", mask, persistent=False)
 
+    def reset_parameters(self) -> None:
+        """The causal mask again (a model built on the meta device gets its storage empty; no checkpoint holds
+        the buffer). The projections are ``nn.Linear`` children with their own."""
+        with torch.no_grad():
+            self.mask.copy_(torch.tril(torch.ones_like(self.mask[0, 0])).view_as(self.mask))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
         inner = self.n_head * self.head_dim

@@ -20,7 +20,6 @@ from typing_extensions import override
 from lightning_bigtrain._compat import (
     _IS_INTERACTIVE,
     _METADATA_FILENAME,
-    _materialize_distributed_module,
     _MultiProcessingLauncher,
     _optimizers_to_device,
     _SubprocessScriptLauncher,
@@ -39,6 +38,7 @@ from lightning_bigtrain.checkpointing import (
 from lightning_bigtrain.engines.compression import GradientCompression
 from lightning_bigtrain.engines.flat_shard import FlatGradScaler, FlatShardedOptimizer, norm_parameters
 from lightning_bigtrain.functional.compression import Cast, Compressor
+from lightning_bigtrain.functional.materialize import has_meta_tensors, materialize_
 from lightning_bigtrain.functional.memory import model_state_bytes
 from lightning_bigtrain.functional.pipeline import PipelinePlan, install_pipeline_, plan_pipeline
 from lightning_bigtrain.functional.rng import seed_all_
@@ -362,13 +362,14 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
                 "parallelism). Use stage 1 or 2 (parameters replicated; averaging works there), or average "
                 "consolidated checkpoints afterwards (`bigtrain consolidate`, `torch.optim.swa_utils`)."
             )
-        _materialize_distributed_module(self.model, self.root_device)
         self._fix_host_allocator(self.root_device.type == "cpu" or self.offload_optimizer)
         self._rng_seed = torch.initial_seed()  # replaced by the checkpoint's on resume
         if self.pipeline_parallel > 1:
+            self._materialize()
             self._setup_pipeline(trainer)
             return
         if self._flat_engine:
+            self._materialize()
             self._setup_flat(trainer)
             return
         if not is_fully_sharded(self.model):
@@ -376,7 +377,8 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
             # automatic split, unless configure_model split the module itself).
             self.model = self.precision_plugin.convert_module(self.model)
             self._check_compression()
-            self.model_to_device()
+            if not has_meta_tensors(self.model):  # built on the meta device: materialized once sharded, below
+                self.model_to_device()
             if self.tensor_parallel > 1 and not self._user_split():
                 self._split_tensors()
             elif self.sequence_parallel:
@@ -395,6 +397,7 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
                     offload_policy=self._offload_policy(),
                     async_prefetch=self.root_device.type == "cpu",
                 )
+        self._materialize()  # a meta-device model: this rank's shards only, initialized as the whole model would be
         self._sharded_root = is_fully_sharded(self.model)  # read by every step (_step): computed once here
         for handle in self._root_hooks:
             handle.remove()
@@ -412,6 +415,35 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
             _clip_by_global_norm(self.precision_plugin)
         if trainer.state.fn == TrainerFn.FITTING and not self.offload_optimizer:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _materialize(self) -> None:
+        """Storage and initial values for a model built on the meta device (``Trainer.init_module(empty_init=True)``,
+        or ``torch.device("meta")`` in ``configure_model``), after it is sharded where it will be (stage 3: each rank
+        allocates its shards only). Initialized by the model's own rule where one can be reached (a Hugging Face
+        model's ``_init_weights``), else ``reset_parameters()``; see :func:`materialize_`."""
+        assert self.model is not None
+        if not has_meta_tensors(self.model):
+            return
+        offloaded = getattr(self._offload_policy(), "pin_memory", None) is not None
+        device = torch.device("cpu") if offloaded else self.root_device
+        left = materialize_(self.model, device)
+        lost = [name for name, restorable in left if not restorable]
+        if lost:
+            raise ValueError(
+                f"`ZeroStrategy(stage={self.stage})` materialized a model built on the meta device, and no initializer "
+                f"wrote {', '.join(f'`{n}`' for n in lost)}: a non-persistent buffer, which no checkpoint restores, so "
+                "training would read uninitialized memory. Give its module a `reset_parameters()` that fills it, or "
+                "build the model on a real device (not under `init_module(empty_init=True)` or `torch.device('meta')`)."
+            )
+        if left:
+            listed = ", ".join(f"`{n}`" for n, _ in left[:8]) + (f" and {len(left) - 8} more" if len(left) > 8 else "")
+            warn_once(
+                f"`ZeroStrategy(stage={self.stage})` materialized a model built on the meta device; no initializer "
+                f"wrote {listed} (their modules define no `reset_parameters()` and no Hugging Face `_init_weights` "
+                "covers them). They hold uninitialized memory until a checkpoint is loaded (`ckpt_path=...`); give "
+                "those modules a `reset_parameters()` if the run starts from scratch.",
+                BigtrainWarning,
+            )
 
     def _setup_pipeline(self, trainer: L.Trainer) -> None:
         """Every rank starts from the first stage's weights and seed; the block container is cut into stages

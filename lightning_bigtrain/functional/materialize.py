@@ -1,0 +1,192 @@
+"""Materializing a module built on the meta device, after it was sharded: real storage for this rank's shards only,
+every weight initialized as the model would initialize it, identically on every rank."""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import cast
+
+import torch
+from torch import nn
+
+__all__ = ["has_meta_tensors", "materialize_"]
+
+
+def has_meta_tensors(module: nn.Module) -> bool:
+    """Whether any parameter or buffer of ``module`` (or of a submodule) is on the meta device."""
+    return any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers()))
+
+
+def _own_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    yield from module.named_parameters(recurse=False)
+    yield from module.named_buffers(recurse=False)
+
+
+def _hf_owners(root: nn.Module) -> dict[int, nn.Module]:
+    """Each submodule's nearest enclosing Hugging Face ``PreTrainedModel`` (itself included), by ``id``."""
+    transformers = sys.modules.get("transformers")
+    base = getattr(transformers, "PreTrainedModel", None) if transformers is not None else None
+    owners: dict[int, nn.Module] = {}
+    if base is None:
+        return owners
+
+    def visit(module: nn.Module, owner: nn.Module | None) -> None:
+        if isinstance(module, base) and callable(getattr(module, "_init_weights", None)):
+            owner = module
+        if owner is not None:
+            owners[id(module)] = owner
+        for child in module.children():
+            visit(child, owner)
+
+    visit(root, None)
+    return owners
+
+
+def _reset_method(module: nn.Module) -> Callable[[], None] | None:
+    """``reset_parameters()``; torch's ``MultiheadAttention`` and ``Transformer`` name theirs ``_reset_parameters``."""
+    for name in ("reset_parameters", "_reset_parameters"):
+        method = getattr(module, name, None)
+        if callable(method):
+            return cast("Callable[[], None]", method)
+    return None
+
+
+def _poison_(t: torch.Tensor) -> None:
+    """Fill with a value no initializer writes, so that what none wrote can be found afterwards."""
+    if t.is_floating_point() or t.is_complex():
+        t.fill_(float("nan"))
+    elif t.dtype != torch.bool:
+        t.fill_(torch.iinfo(t.dtype).min)
+
+
+def _unwritten(t: torch.Tensor) -> bool:
+    if t.is_floating_point() or t.is_complex():
+        return bool(torch.isnan(t).any())
+    if t.dtype == torch.bool:
+        return False
+    return bool((t == torch.iinfo(t.dtype).min).any())
+
+
+def _shared_slots(root: nn.Module) -> list[list[tuple[nn.Module, str, bool]]]:
+    """Places (module, attribute, is_parameter) that hold one tensor object, for each tensor held in more than one
+    (tied weights). ``to_empty`` gives each place its own new tensor; :func:`_retie_` puts one back in all."""
+    places: dict[int, list[tuple[nn.Module, str, bool]]] = {}
+    for m in root.modules():
+        for name, param in m._parameters.items():
+            if param is not None:
+                places.setdefault(id(param), []).append((m, name, True))
+        for name, buffer in m._buffers.items():
+            if buffer is not None:
+                places.setdefault(id(buffer), []).append((m, name, False))
+    return [group for group in places.values() if len(group) > 1]
+
+
+def _retie_(groups: list[list[tuple[nn.Module, str, bool]]]) -> None:
+    for (first, name, is_param), *rest in groups:
+        tensor = (first._parameters if is_param else first._buffers)[name]
+        for m, other, other_is_param in rest:
+            (m._parameters if other_is_param else m._buffers)[other] = tensor  # type: ignore[assignment]
+
+
+def _post_order(module: nn.Module) -> Iterator[nn.Module]:
+    seen: set[int] = set()
+
+    def visit(m: nn.Module) -> Iterator[nn.Module]:
+        for child in m.children():
+            if id(child) not in seen:
+                seen.add(id(child))
+                yield from visit(child)
+        yield m
+
+    yield from visit(module)
+
+
+@contextmanager
+def _whole(modules: list[nn.Module], targets: set[int]) -> Iterator[None]:
+    """Inside: the sharded (DTensor) parameters among ``targets`` (by ``id``) that ``modules`` hold directly are
+    replaced by whole plain tensors (gathered: what earlier initializers wrote, or the poison); on exit each rank
+    copies its own shard of the whole tensor back into the DTensor's local storage. Every rank computes the same
+    whole tensor (same seed), so the shards fit together as if one rank had initialized the unsharded module."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    swapped: list[tuple[nn.Module, str, DTensor]] = []
+    wholes: dict[int, nn.Parameter] = {}  # one whole tensor per DTensor, wherever it is tied
+    for m in modules:
+        for name, p in list(m._parameters.items()):
+            if isinstance(p, DTensor) and id(p) in targets:
+                swapped.append((m, name, p))
+                if id(p) not in wholes:
+                    wholes[id(p)] = nn.Parameter(p.full_tensor(), requires_grad=p.requires_grad)
+                m._parameters[name] = wholes[id(p)]
+    try:
+        yield
+    finally:
+        for m, name, sharded in swapped:
+            m._parameters[name] = sharded  # type: ignore[assignment]  # (a DTensor parameter: FSDP2's)
+        for _, _, sharded in swapped:
+            whole = wholes.pop(id(sharded), None)
+            if whole is not None:
+                mine = distribute_tensor(whole.detach(), sharded.device_mesh, sharded.placements, src_data_rank=None)
+                sharded.to_local().copy_(mine.to_local())
+
+
+def materialize_(module: nn.Module, device: torch.device) -> list[tuple[str, bool]]:
+    """Give every meta-device parameter and buffer of ``module`` storage on ``device`` and initialize it; returns
+    the tensors no initializer wrote (left uninitialized): ``(qualified name, restorable)``, restorable when a
+    checkpoint holds it (a parameter or a persistent buffer; not a non-persistent buffer).
+
+    Run after sharding (FSDP2 ``fully_shard``, tensor-parallel splits): each rank then allocates only its shards,
+    plus one submodule's whole tensors at a time while that submodule is initialized. Submodules are visited
+    children first (the order of ``nn.Module.apply`` and of a Hugging Face model's ``post_init``) and initialized by,
+    in turn: a Hugging Face model's own ``_init_weights`` (what ``post_init`` would apply; it may rescale a child's
+    weights, GPT-2's residual projections), then ``reset_parameters()`` (``_reset_parameters()`` in torch's
+    attention) for tensors still unwritten. An initializer that runs in a module's ``__init__`` only (``self.apply(
+    self._init_weights)`` in a model's constructor) cannot be replayed: those layers get torch's defaults. A sharded
+    parameter is initialized whole on every rank (the same seed gives the same values) and each rank keeps its
+    shard, so the values do not depend on the number of ranks or the layout, and need no random-number support
+    from DTensor (which has none on CPU). Tied weights stay tied (``to_empty`` alone unties them).
+    """
+    if not has_meta_tensors(module):
+        return []
+    names = {id(m): name for name, m in module.named_modules()}
+    slots = [(m, name) for m in module.modules() for name, t in _own_tensors(m) if t.is_meta]
+    tied = _shared_slots(module)
+    module.to_empty(device=device)
+    _retie_(tied)
+    fresh: dict[int, tuple[nn.Module, str, torch.Tensor]] = {}  # was on meta: poisoned, then initialized
+    for m, name in slots:
+        t = getattr(m, name)
+        fresh.setdefault(id(t), (m, name, t))
+    hf = _hf_owners(module)
+    with torch.no_grad():
+        for _, _, t in fresh.values():
+            _poison_(_local(t))
+        for m in _post_order(module):
+            near = [m, *m.children()]
+            if not any(id(t) in fresh for c in near for _, t in _own_tensors(c)):
+                continue
+            owner = hf.get(id(m))
+            if owner is not None:
+                with _whole(near, set(fresh)):
+                    owner._init_weights(m)  # type: ignore[operator]
+            reset = _reset_method(m)
+            if reset is not None and any(id(t) in fresh and _unwritten(_local(t)) for _, t in _own_tensors(m)):
+                with _whole(near, set(fresh)):
+                    reset()
+    return [
+        (_join(names.get(id(m), ""), name), name in m._parameters or name not in m._non_persistent_buffers_set)
+        for m, name, t in fresh.values()
+        if _unwritten(_local(t))
+    ]
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t

@@ -1,0 +1,86 @@
+"""Materializing a module built on the meta device, in one process (the sharded case: tests/strategies/
+test_meta_init_integration.py): each tensor initialized as the model would initialize it, what none initializes
+reported, tied weights kept tied."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_bigtrain.functional.materialize import has_meta_tensors, materialize_
+
+needs_transformers = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
+
+
+def _pair(build):
+    torch.manual_seed(0)
+    eager = build()
+    with torch.device("meta"):
+        meta = build()
+    torch.manual_seed(0)
+    left = materialize_(meta, torch.device("cpu"))
+    return eager, meta, left
+
+
+def test_torch_layers_are_initialized_as_their_constructors_would():
+    """Layers whose constructor initializes through ``reset_parameters`` (``_reset_parameters`` in attention):
+    bit-identical to building them eagerly with the same seed."""
+
+    def build():
+        return nn.Sequential(nn.Embedding(10, 8), nn.TransformerEncoderLayer(8, 2, 16, batch_first=True),
+                             nn.LayerNorm(8), nn.Linear(8, 10), nn.BatchNorm1d(10))  # fmt: skip
+
+    eager, meta, left = _pair(build)
+    assert left == [] and not has_meta_tensors(meta)
+    for (name, a), b in zip(eager.state_dict().items(), meta.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+
+
+class _Written(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.scale = nn.Parameter(torch.ones(4))  # no reset_parameters on this module
+        self.register_buffer("mask", torch.tril(torch.ones(4, 4)), persistent=False)
+
+
+def test_what_no_initializer_writes_is_reported_restorable_or_not():
+    _, meta, left = _pair(_Written)
+    assert sorted(left) == [("mask", False), ("scale", True)]
+    assert torch.isfinite(meta.proj.weight).all()
+
+
+def test_tied_weights_stay_tied():
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb, self.head = nn.Embedding(10, 4), nn.Linear(4, 10, bias=False)
+            self.head.weight = self.emb.weight
+
+    _, meta, left = _pair(Tied)
+    assert left == [] and meta.head.weight is meta.emb.weight
+
+
+@needs_transformers
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_hugging_face_models_get_their_own_initialization(family):
+    """``_init_weights`` per module, children first, as ``post_init``: the rotary frequencies and RMSNorm weights
+    (no ``reset_parameters``), GPT-2's tied head and its residual projections scaled by 1/sqrt(2 n_layer)."""
+    from benchmarks.conformance import _hf_gpt2, _hf_llama
+
+    eager, meta, left = _pair(_hf_llama if family == "llama" else _hf_gpt2)
+    assert left == []
+    for name, b in eager.named_buffers():
+        assert torch.equal(b, meta.get_buffer(name)), name
+    params = dict(meta.named_parameters())
+    for name, p in eager.named_parameters():
+        q = params[name]
+        if p.std() == 0:  # zeros and ones: norms and biases
+            assert torch.equal(p, q), name
+        else:
+            assert torch.isfinite(q).all() and abs(q.std() / p.std() - 1) < 0.15, (name, p.std(), q.std())
+    if family == "gpt2":
+        assert meta.model.lm_head.weight is meta.model.transformer.wte.weight

@@ -1,0 +1,190 @@
+"""A model built on the meta device (``Trainer.init_module(empty_init=True)``) under ZeroStrategy, on 2 CPU ranks:
+sharded first and then materialized (stage 3: each rank allocates its shards only), initialized as the whole model
+would be (the same values as materializing it in one process; a Hugging Face model by its own ``_init_weights``),
+and trained as DDP trains that model. Before: materialized whole on every rank before sharding (a model larger than
+one device could not start), by ``reset_parameters`` only (Llama's RMSNorm weights and rotary frequencies left as
+uninitialized memory, GPT-2's tied head untied), and on CPU each rank's shard drawn from the same random stream."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_bigtrain.data import ShakespeareDataModule
+from lightning_bigtrain.functional.materialize import materialize_
+from lightning_bigtrain.models import CharGPT
+from lightning_bigtrain.strategies import ZeroStrategy
+from tests.helpers.distributed import run_on_ranks
+from tests.helpers.memory import AllocationTimeline
+from tests.helpers.strategies import strategy
+
+pytestmark = pytest.mark.integration
+
+_COMMON = dict(accelerator="cpu", devices=2, limit_val_batches=0, logger=False, enable_progress_bar=False,
+               enable_model_summary=False, enable_checkpointing=False)  # fmt: skip
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    f = getattr(t, "full_tensor", None)
+    return (f() if callable(f) else t).detach().cpu().clone()
+
+
+class _Start(L.Callback):
+    def __init__(self, timeline: AllocationTimeline | None = None) -> None:
+        self.timeline = timeline
+        self.weights: dict[str, torch.Tensor] = {}
+
+    def on_train_start(self, trainer, pl_module):
+        if self.timeline is not None:
+            self.timeline.mark("started")
+        self.weights = {n: _full(t) for n, t in pl_module.state_dict().items()}
+
+
+class _LlamaInConfigureModel(L.LightningModule):
+    """Lightning's way for a model too big to build whole: ``configure_model`` builds it on the meta device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model: torch.nn.Module | None = None
+
+    def configure_model(self) -> None:
+        from benchmarks.conformance import _hf_llama
+
+        if self.model is None:
+            with torch.device("meta"):
+                self.model = _hf_llama().model  # the LlamaForCausalLM
+
+    def training_step(self, batch, batch_idx):
+        assert self.model is not None
+        return self.model(input_ids=batch[0], labels=batch[0]).loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=3e-3)
+
+
+def _build(family: str) -> L.LightningModule:
+    from benchmarks.conformance import _hf_gpt2, _hf_llama
+
+    if family == "llama":
+        return _hf_llama()
+    if family == "llama_configure_model":
+        model = _LlamaInConfigureModel()
+        model.configure_model()  # (the reference: built here; under the strategy, by the Trainer)
+        return model
+    if family == "gpt2":
+        return _hf_gpt2()
+    return CharGPT(block_size=32, n_layer=2, n_head=2, n_embd=32, attention="written")
+
+
+def _fit(family: str, name: str, on_meta: bool) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Weights at the start of training and after 4 steps. ``on_meta``: built under ``init_module(empty_init=True)``
+    and materialized by the strategy; else built on meta and materialized whole here (the reference)."""
+    L.seed_everything(0, verbose=False)
+    start = _Start()
+    chosen = ZeroStrategy(stage=3, tensor_parallel=2) if name == "tp2" else strategy(name)
+    trainer = L.Trainer(strategy=chosen, max_steps=4, callbacks=[start], **_COMMON)
+    if family == "llama_configure_model" and on_meta:
+        model = _LlamaInConfigureModel()
+    elif on_meta:
+        with trainer.init_module(empty_init=True):
+            model = _build(family)
+    else:
+        with torch.device("meta"):
+            model = _build(family)
+        assert materialize_(model, torch.device("cpu")) == []
+    trainer.fit(model, datamodule=ShakespeareDataModule(block_size=32, batch_size=8, subset=128))
+    return start.weights, torch.cat([_full(p).reshape(-1) for p in model.parameters()])
+
+
+def _runs(rank: int, family: str, names: list[str]) -> dict[str, object]:
+    out: dict[str, object] = {"ddp": _fit(family, "ddp", on_meta=False)}
+    for name in names:
+        out[name] = _fit(family, name, on_meta=True)
+    return out
+
+
+@pytest.mark.parametrize("family", ["chargpt", "llama", "gpt2", "llama_configure_model"])
+def test_meta_model_starts_from_the_whole_models_init_and_trains_like_ddp(family):
+    if family != "chargpt" and importlib.util.find_spec("transformers") is None:
+        pytest.skip("needs transformers")
+    names = ["zero3", "zero1"]
+    for r in run_on_ranks(_runs, family, names, init_process_group=False):
+        (start, final) = r["ddp"]
+        for name in names:
+            got_start, got_final = r[name]
+            assert got_start.keys() == start.keys()
+            for key, value in start.items():
+                assert torch.equal(got_start[key], value), f"{name}: {key}"
+            torch.testing.assert_close(got_final, final, rtol=0, atol=2e-6, msg=name)
+
+
+def test_tensor_parallel_meta_model_starts_from_the_whole_models_init():
+    """Llama split over 2 tensor-parallel ranks while on meta (q/k/v/gate/up by rows, o/down by columns), then
+    materialized: the same starting weights. (Its training is not DDP's: one data-parallel rank sees other batches.)"""
+    if importlib.util.find_spec("transformers") is None:
+        pytest.skip("needs transformers")
+    for r in run_on_ranks(_runs, "llama", ["tp2"], init_process_group=False):
+        start, got = r["ddp"][0], r["tp2"][0]
+        assert got.keys() == start.keys()
+        for key, value in start.items():
+            assert torch.equal(got[key], value), key
+
+
+def _peak(rank: int) -> tuple[float, int]:
+    """Highest live bytes from ``fit`` to the first training batch, and the model's parameter bytes."""
+    L.seed_everything(0, verbose=False)
+    data = ShakespeareDataModule(block_size=32, batch_size=2, subset=16)
+    data.setup("fit")  # the corpus read before counting
+    with AllocationTimeline() as timeline:
+        start = _Start(timeline)
+        trainer = L.Trainer(strategy=ZeroStrategy(stage=3), max_steps=1, callbacks=[start], **_COMMON)
+        with trainer.init_module(empty_init=True):
+            model = CharGPT(block_size=32, n_layer=8, n_head=8, n_embd=512)
+        size = sum(p.numel() * p.element_size() for p in model.parameters())
+        timeline.mark("fit")
+        trainer.fit(model, datamodule=data)
+    _, peak = timeline.live_bytes()
+    return peak["fit"], size
+
+
+def test_stage3_allocates_only_this_ranks_shards_of_a_meta_model():
+    """A 25M-parameter model (100 MB): each of 2 ranks peaks near half of it before the first step (its shards, and
+    one layer whole while that layer is initialized); materializing before sharding took all of it."""
+    for peak, size in run_on_ranks(_peak, init_process_group=False):
+        assert peak < 0.65 * size, (peak, size)
+
+
+class _Buffered(L.LightningModule):
+    def __init__(self, buffer_reset: bool) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(8, 8)
+        self.extra = torch.nn.Module()
+        self.extra.register_buffer("table", torch.arange(8.0), persistent=False)
+        if not buffer_reset:
+            self.extra.gain = torch.nn.Parameter(torch.ones(8))
+
+    def training_step(self, batch, batch_idx):
+        return (self.net(batch[0]) * self.extra.table).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _refusal(rank: int) -> str:
+    trainer = L.Trainer(strategy=ZeroStrategy(stage=3), max_steps=1, **_COMMON)
+    with trainer.init_module(empty_init=True):
+        model = _Buffered(buffer_reset=True)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 8)), batch_size=4)
+    try:
+        trainer.fit(model, train_dataloaders=data)
+    except ValueError as err:
+        return str(err)
+    return "trained"
+
+
+def test_a_buffer_no_initializer_writes_is_refused_with_the_fix():
+    message = run_on_ranks(_refusal, init_process_group=False)[0]
+    assert "`extra.table`" in message and "non-persistent buffer" in message and "reset_parameters()" in message
