@@ -7,12 +7,71 @@ import itertools
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
-__all__ = ["has_meta_tensors", "materialize_"]
+__all__ = ["has_meta_tensors", "init_records", "materialize_", "record_init"]
+
+_OPS = "_bigtrain_init_ops"  # on a meta tensor: the in-place initializations applied to it (None: not replayable)
+_Op = tuple[Any, tuple[Any, ...], dict[str, Any], "tuple[tuple[int, ...], tuple[int, ...], int] | None"]
+
+
+class _InitRecorder(TorchDispatchMode):
+    """Records, on each meta-device tensor, the in-place operations applied to it (``uniform_``, ``normal_``,
+    ``fill_``, ``mul_`` ..., also through a view such as an embedding's padding row), with their arguments, so that
+    they can be replayed on real storage. An operation taking another tensor (``copy_`` from a computed tensor) makes
+    the tensor's record unreplayable."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        target = args[0] if args else None
+        if (
+            isinstance(target, torch.Tensor)
+            and target.is_meta
+            and func.overloadpacket.__name__.endswith("_")
+            and torch.Tag.inplace_view not in func.tags
+        ):
+            base = target._base if target._base is not None else target
+            ops: list[_Op] | None = getattr(base, _OPS, [])
+            if ops is not None:
+                if any(isinstance(a, torch.Tensor) for a in tree_leaves((args[1:], kwargs))):
+                    ops = None
+                else:
+                    view = (
+                        None if target is base else (tuple(target.shape), target.stride(), int(target.storage_offset()))
+                    )
+                    ops = [*ops, (func, args[1:], dict(kwargs), view)]
+            setattr(base, _OPS, ops)
+        return out
+
+
+@contextmanager
+def record_init() -> Iterator[None]:
+    """While active, the in-place initializations a constructor applies to meta-device tensors (``nn.init``
+    functions, ``reset_parameters``, ``self.apply(self._init_weights)``, rescaling) are recorded on the tensors, for
+    :func:`materialize_` to replay on real storage. Tensors on real devices are untouched."""
+    with _InitRecorder():
+        yield
+
+
+def init_records(module: nn.Module) -> dict[str, list[_Op] | None]:
+    """The recorded initializations of ``module``'s meta tensors by qualified name (every name of a tied tensor).
+    Read them before sharding: sharding replaces the parameter objects that carry them."""
+    named = itertools.chain(
+        module.named_parameters(remove_duplicate=False), module.named_buffers(remove_duplicate=False)
+    )
+    return {name: getattr(t, _OPS) for name, t in named if t.is_meta and hasattr(t, _OPS)}
+
+
+def _replay(t: torch.Tensor, ops: list[_Op]) -> None:
+    for func, args, kwargs, view in ops:
+        target = t if view is None else t.as_strided(*view)
+        func(target, *args, **kwargs)
 
 
 def has_meta_tensors(module: nn.Module) -> bool:
@@ -133,7 +192,9 @@ def _whole(modules: list[nn.Module], targets: set[int]) -> Iterator[None]:
                 sharded.to_local().copy_(mine.to_local())
 
 
-def materialize_(module: nn.Module, device: torch.device) -> list[tuple[str, bool]]:
+def materialize_(
+    module: nn.Module, device: torch.device, records: dict[str, list[_Op] | None] | None = None
+) -> list[tuple[str, bool]]:
     """Give every meta-device parameter and buffer of ``module`` storage on ``device`` and initialize it; returns
     the tensors no initializer wrote (left uninitialized): ``(qualified name, restorable)``, restorable when a
     checkpoint holds it (a parameter or a persistent buffer; not a non-persistent buffer).
@@ -142,15 +203,20 @@ def materialize_(module: nn.Module, device: torch.device) -> list[tuple[str, boo
     plus one submodule's whole tensors at a time while that submodule is initialized. Submodules are visited
     children first (the order of ``nn.Module.apply`` and of a Hugging Face model's ``post_init``) and initialized by,
     in turn: a Hugging Face model's own ``_init_weights`` (what ``post_init`` would apply; it may rescale a child's
-    weights, GPT-2's residual projections), then ``reset_parameters()`` (``_reset_parameters()`` in torch's
-    attention) for tensors still unwritten. An initializer that runs in a module's ``__init__`` only (``self.apply(
-    self._init_weights)`` in a model's constructor) cannot be replayed: those layers get torch's defaults. A sharded
-    parameter is initialized whole on every rank (the same seed gives the same values) and each rank keeps its
-    shard, so the values do not depend on the number of ranks or the layout, and need no random-number support
-    from DTensor (which has none on CPU). Tied weights stay tied (``to_empty`` alone unties them).
+    weights, GPT-2's residual projections); the initializations recorded while the model was built under
+    :func:`record_init` (``records``, by qualified name; read from the tensors themselves when not given), replayed
+    tensor by tensor, so that a constructor's own initialization (``self.apply(self._init_weights)``, a rescaling
+    after it) is kept; then ``reset_parameters()`` (``_reset_parameters()`` in torch's attention) for tensors still
+    unwritten. Replayed tensor by tensor, the random draws come in another order than the constructor's: the same
+    distributions, not the same values as an eager build. A sharded parameter is initialized whole on every rank
+    (the same seed gives the same values) and each rank keeps its shard, so the values do not depend on the number
+    of ranks or the layout, and need no random-number support from DTensor (which has none on CPU). Tied weights
+    stay tied (``to_empty`` alone unties them).
     """
     if not has_meta_tensors(module):
         return []
+    if records is None:
+        records = init_records(module)
     names = {id(m): name for name, m in module.named_modules()}
     slots = [(m, name) for m in module.modules() for name, t in _own_tensors(m) if t.is_meta]
     tied = _shared_slots(module)
@@ -172,6 +238,15 @@ def materialize_(module: nn.Module, device: torch.device) -> list[tuple[str, boo
             if owner is not None:
                 with _whole(near, set(fresh)):
                     owner._init_weights(m)  # type: ignore[operator]
+            replays = [
+                (name, ops)
+                for name, t in _own_tensors(m)
+                if id(t) in fresh and (ops := records.get(_join(names.get(id(m), ""), name))) and _unwritten(_local(t))
+            ]
+            if replays:
+                with _whole([m], set(fresh)):
+                    for name, ops in replays:
+                        _replay(getattr(m, name), ops)
             reset = _reset_method(m)
             if reset is not None and any(id(t) in fresh and _unwritten(_local(t)) for _, t in _own_tensors(m)):
                 with _whole(near, set(fresh)):

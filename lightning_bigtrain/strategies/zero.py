@@ -38,7 +38,7 @@ from lightning_bigtrain.checkpointing import (
 from lightning_bigtrain.engines.compression import GradientCompression
 from lightning_bigtrain.engines.flat_shard import FlatGradScaler, FlatShardedOptimizer, norm_parameters
 from lightning_bigtrain.functional.compression import Cast, Compressor
-from lightning_bigtrain.functional.materialize import has_meta_tensors, materialize_
+from lightning_bigtrain.functional.materialize import has_meta_tensors, init_records, materialize_, record_init
 from lightning_bigtrain.functional.memory import model_state_bytes
 from lightning_bigtrain.functional.pipeline import PipelinePlan, install_pipeline_, plan_pipeline
 from lightning_bigtrain.functional.rng import seed_all_
@@ -264,6 +264,7 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         compressed_flat = stage == 1 or (stage == 2 and not isinstance(compressor, Cast))
         self._compression = CompressionSupport(compressor) if compressor is not None and compressed_flat else None
         self._rng_seed: int | None = None
+        self._init_records: dict[str, Any] = {}  # a meta-device model's recorded initializations (setup)
         self._fsdp_comm: CommCounter | None = None
         self._logged_comm_bytes = 0
         self.memory: dict[str, int] = {}
@@ -364,6 +365,7 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
             )
         self._fix_host_allocator(self.root_device.type == "cpu" or self.offload_optimizer)
         self._rng_seed = torch.initial_seed()  # replaced by the checkpoint's on resume
+        self._init_records = init_records(self.model)  # (read before sharding replaces the parameter objects)
         if self.pipeline_parallel > 1:
             self._materialize()
             self._setup_pipeline(trainer)
@@ -416,6 +418,23 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         if trainer.state.fn == TrainerFn.FITTING and not self.offload_optimizer:
             _optimizers_to_device(self.optimizers, self.root_device)
 
+    @override
+    @contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """``Trainer.init_module(empty_init=True)``: the module is built on the meta device (as Lightning's
+        ModelParallelStrategy does), and the initializations its constructor applies are recorded, for
+        :meth:`_materialize` to replay once the module is sharded."""
+        with record_init() if empty_init else contextlib.nullcontext(), super().tensor_init_context(empty_init):
+            yield
+
+    @override
+    @contextmanager
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """Around ``configure_model``: a module it builds on the meta device has its constructor's initializations
+        recorded (replayed by :meth:`_materialize`)."""
+        with record_init(), super().model_sharded_context():
+            yield
+
     def _materialize(self) -> None:
         """Storage and initial values for a model built on the meta device (``Trainer.init_module(empty_init=True)``,
         or ``torch.device("meta")`` in ``configure_model``), after it is sharded where it will be (stage 3: each rank
@@ -426,7 +445,8 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
             return
         offloaded = getattr(self._offload_policy(), "pin_memory", None) is not None
         device = torch.device("cpu") if offloaded else self.root_device
-        left = materialize_(self.model, device)
+        left = materialize_(self.model, device, self._init_records)
+        self._init_records = {}
         lost = [name for name, restorable in left if not restorable]
         if lost:
             raise ValueError(

@@ -84,3 +84,34 @@ def test_hugging_face_models_get_their_own_initialization(family):
             assert torch.isfinite(q).all() and abs(q.std() / p.std() - 1) < 0.15, (name, p.std(), q.std())
     if family == "gpt2":
         assert meta.model.lm_head.weight is meta.model.transformer.wte.weight
+
+
+def test_a_constructors_own_initialization_is_replayed():
+    """Built under ``record_init``: the char-GPT's ``self.apply(self._init_weights)`` (normal 0.02, zero biases) and
+    its residual projections rescaled after it, and an embedding's zeroed padding row, come back; without the record
+    the layers get torch's defaults (the embeddings' std 1)."""
+    from lightning_bigtrain.functional.materialize import record_init
+    from lightning_bigtrain.models import CharGPT
+
+    def build():
+        model = CharGPT(block_size=32, n_layer=2, n_head=2, n_embd=32)
+        model.pad = nn.Embedding(10, 32, padding_idx=0)
+        return model
+
+    torch.manual_seed(0)
+    eager = build()
+    with record_init(), torch.device("meta"):
+        meta = build()
+    with torch.device("meta"):
+        unrecorded = build()
+    assert materialize_(meta, torch.device("cpu")) == []
+    materialize_(unrecorded, torch.device("cpu"))
+    params = dict(meta.named_parameters())
+    for name, p in eager.named_parameters():
+        q = params[name]
+        if p.std() == 0:
+            assert torch.equal(p, q), name
+        else:
+            assert abs(q.std() / p.std() - 1) < 0.15, (name, p.std(), q.std())
+    assert torch.equal(meta.pad.weight[0], torch.zeros(32))
+    assert unrecorded.tok_emb.weight.std() > 0.5

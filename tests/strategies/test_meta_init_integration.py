@@ -1,20 +1,24 @@
-"""A model built on the meta device (``Trainer.init_module(empty_init=True)``) under ZeroStrategy, on 2 CPU ranks:
-sharded first and then materialized (stage 3: each rank allocates its shards only), initialized as the whole model
-would be (the same values as materializing it in one process; a Hugging Face model by its own ``_init_weights``),
-and trained as DDP trains that model. Before: materialized whole on every rank before sharding (a model larger than
-one device could not start), by ``reset_parameters`` only (Llama's RMSNorm weights and rotary frequencies left as
-uninitialized memory, GPT-2's tied head untied), and on CPU each rank's shard drawn from the same random stream."""
+"""A model built on the meta device (``Trainer.init_module(empty_init=True)``, or in ``configure_model``) under
+ZeroStrategy, on 2 CPU ranks: sharded first and then materialized (stage 3: each rank allocates its shards only),
+initialized as the whole model would be (the same values as materializing it in one process: a Hugging Face model by
+its own ``_init_weights``, the char-GPT by its constructor's initialization, recorded and replayed), and trained as
+DDP trains that model. Before: materialized whole on every rank before sharding (a model larger than one device
+could not start), by ``reset_parameters`` only (the char-GPT's own init lost, Llama's RMSNorm weights and rotary
+frequencies left as uninitialized memory, GPT-2's tied head untied)."""
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import importlib.util
+import os
 
 import lightning as L
 import pytest
 import torch
 
 from lightning_bigtrain.data import ShakespeareDataModule
-from lightning_bigtrain.functional.materialize import materialize_
+from lightning_bigtrain.functional.materialize import materialize_, record_init
 from lightning_bigtrain.models import CharGPT
 from lightning_bigtrain.strategies import ZeroStrategy
 from tests.helpers.distributed import run_on_ranks
@@ -81,7 +85,8 @@ def _build(family: str) -> L.LightningModule:
 
 def _fit(family: str, name: str, on_meta: bool) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """Weights at the start of training and after 4 steps. ``on_meta``: built under ``init_module(empty_init=True)``
-    and materialized by the strategy; else built on meta and materialized whole here (the reference)."""
+    (or in ``configure_model``) and materialized by the strategy; else built on meta with its initialization
+    recorded and materialized whole here (the reference; the char-GPT's own init replayed, the HF models')."""
     L.seed_everything(0, verbose=False)
     start = _Start()
     chosen = ZeroStrategy(stage=3, tensor_parallel=2) if name == "tp2" else strategy(name)
@@ -92,7 +97,7 @@ def _fit(family: str, name: str, on_meta: bool) -> tuple[dict[str, torch.Tensor]
         with trainer.init_module(empty_init=True):
             model = _build(family)
     else:
-        with torch.device("meta"):
+        with record_init(), torch.device("meta"):
             model = _build(family)
         assert materialize_(model, torch.device("cpu")) == []
     trainer.fit(model, datamodule=ShakespeareDataModule(block_size=32, batch_size=8, subset=128))
@@ -188,3 +193,29 @@ def _refusal(rank: int) -> str:
 def test_a_buffer_no_initializer_writes_is_refused_with_the_fix():
     message = run_on_ranks(_refusal, init_process_group=False)[0]
     assert "`extra.table`" in message and "non-persistent buffer" in message and "reset_parameters()" in message
+
+
+def _resume(rank: int, folder: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lightning's way to resume a large model: built under ``init_module(empty_init=True)``, weights from the
+    checkpoint. Against the uninterrupted run (stopped after 4 of 8 steps and resumed, built eagerly both times)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def fit(meta: bool, ckpt_path: str | None, steps: int) -> torch.Tensor:
+        L.seed_everything(0, verbose=False)
+        callbacks = [ModelCheckpoint(dirpath=folder, every_n_train_steps=4, save_top_k=-1)] if ckpt_path is None else []
+        trainer = L.Trainer(strategy=strategy("zero3"), max_steps=steps, callbacks=callbacks,
+                            **{**_COMMON, "enable_checkpointing": ckpt_path is None})  # fmt: skip
+        with trainer.init_module(empty_init=True) if meta else contextlib.nullcontext():
+            model = CharGPT(block_size=32, n_layer=2, n_head=2, n_embd=32, warmup_steps=2)
+        trainer.fit(model, datamodule=ShakespeareDataModule(block_size=32, batch_size=8, subset=256),
+                    ckpt_path=ckpt_path)  # fmt: skip
+        return torch.cat([_full(p).reshape(-1) for p in model.parameters()])
+
+    whole = fit(False, None, 8)
+    (checkpoint,) = glob.glob(os.path.join(folder, "*step=4.ckpt"))
+    return fit(True, checkpoint, 8), whole
+
+
+def test_a_meta_model_resumes_from_a_checkpoint_exactly(tmp_path):
+    for resumed, whole in run_on_ranks(_resume, str(tmp_path), init_process_group=False):
+        assert torch.equal(resumed, whole)
