@@ -421,18 +421,12 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
     @override
     @contextmanager
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
-        """``Trainer.init_module(empty_init=True)``: the module is built on the meta device (as Lightning's
-        ModelParallelStrategy does), and the initializations its constructor applies are recorded, for
-        :meth:`_materialize` to replay once the module is sharded."""
-        with record_init() if empty_init else contextlib.nullcontext(), super().tensor_init_context(empty_init):
-            yield
-
-    @override
-    @contextmanager
-    def model_sharded_context(self) -> Generator[None, None, None]:
-        """Around ``configure_model``: a module it builds on the meta device has its constructor's initializations
-        recorded (replayed by :meth:`_materialize`)."""
-        with record_init(), super().model_sharded_context():
+        """``Trainer.init_module(empty_init=True)`` builds the module on the meta device (as Lightning's
+        ModelParallelStrategy does). Here and around ``configure_model`` (which may build on meta itself), the
+        initializations a constructor applies to meta tensors are recorded, for :meth:`_materialize` to replay once
+        the module is sharded. (Not in ``model_sharded_context``: overriding it makes Lightning warn that
+        ``init_module`` cannot build the model properly.)"""
+        with record_init(), super().tensor_init_context(empty_init):
             yield
 
     def _materialize(self) -> None:
