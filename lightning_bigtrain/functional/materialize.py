@@ -7,14 +7,14 @@ import itertools
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["has_meta_tensors", "init_records", "materialize_", "record_init"]
+__all__ = ["Materialized", "has_meta_tensors", "init_records", "materialize_", "record_init"]
 
 _OPS = "_bigtrain_init_ops"  # on a meta tensor: the in-place initializations applied to it (None: not replayable)
 _Op = tuple[Any, tuple[Any, ...], dict[str, Any], "tuple[tuple[int, ...], tuple[int, ...], int] | None"]
@@ -23,8 +23,9 @@ _Op = tuple[Any, tuple[Any, ...], dict[str, Any], "tuple[tuple[int, ...], tuple[
 class _InitRecorder(TorchDispatchMode):
     """Records, on each meta-device tensor, the in-place operations applied to it (``uniform_``, ``normal_``,
     ``fill_``, ``mul_`` ..., also through a view such as an embedding's padding row), with their arguments, so that
-    they can be replayed on real storage. An operation taking another tensor (``copy_`` from a computed tensor) makes
-    the tensor's record unreplayable."""
+    they can be replayed on real storage. A real tensor argument is kept (``load_state_dict`` of loaded weights
+    copies them in: replayed, they land); a meta one (``copy_`` from a tensor computed on meta) makes the record
+    unreplayable."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -39,8 +40,8 @@ class _InitRecorder(TorchDispatchMode):
             base = target._base if target._base is not None else target
             ops: list[_Op] | None = getattr(base, _OPS, [])
             if ops is not None:
-                if any(isinstance(a, torch.Tensor) for a in tree_leaves((args[1:], kwargs))):
-                    ops = None
+                if any(isinstance(a, torch.Tensor) and a.is_meta for a in tree_leaves((args[1:], kwargs))):
+                    ops = None  # computed from other meta tensors: nothing to replay it from
                 else:
                     view = (
                         None if target is base else (tuple(target.shape), target.stride(), int(target.storage_offset()))
@@ -69,9 +70,12 @@ def init_records(module: nn.Module) -> dict[str, list[_Op] | None]:
 
 
 def _replay(t: torch.Tensor, ops: list[_Op]) -> None:
+    def here(a: Any) -> Any:
+        return a.to(t.device) if isinstance(a, torch.Tensor) else a
+
     for func, args, kwargs, view in ops:
         target = t if view is None else t.as_strided(*view)
-        func(target, *args, **kwargs)
+        func(target, *(here(a) for a in args), **{k: here(v) for k, v in kwargs.items()})
 
 
 def has_meta_tensors(module: nn.Module) -> bool:
@@ -192,12 +196,28 @@ def _whole(modules: list[nn.Module], targets: set[int]) -> Iterator[None]:
                 sharded.to_local().copy_(mine.to_local())
 
 
+class Materialized(NamedTuple):
+    """What :func:`materialize_` could not initialize as the model would have."""
+
+    #: Tensors no initializer wrote (uninitialized memory): ``(qualified name, restorable)``, restorable when a
+    #: checkpoint holds it (a parameter or a persistent buffer; not a non-persistent buffer).
+    unwritten: list[tuple[str, bool]]
+    #: Tensors whose recorded initialization could not be replayed (computed from other meta tensors), initialized
+    #: by ``reset_parameters()`` instead (or left unwritten, then also in ``unwritten``).
+    not_replayed: list[str]
+
+
 def materialize_(
-    module: nn.Module, device: torch.device, records: dict[str, list[_Op] | None] | None = None
-) -> list[tuple[str, bool]]:
+    module: nn.Module,
+    device: torch.device,
+    records: dict[str, list[_Op] | None] | None = None,
+    *,
+    within: nn.Module | None = None,
+) -> Materialized:
     """Give every meta-device parameter and buffer of ``module`` storage on ``device`` and initialize it; returns
-    the tensors no initializer wrote (left uninitialized): ``(qualified name, restorable)``, restorable when a
-    checkpoint holds it (a parameter or a persistent buffer; not a non-persistent buffer).
+    what could not be initialized as the model would have (:class:`Materialized`). With ``within`` (a
+    submodule of ``module``), only that submodule's meta tensors (names, records and Hugging Face models are
+    ``module``'s): one unit at a time, for an engine that partitions each unit once it is initialized.
 
     Run after sharding (FSDP2 ``fully_shard``, tensor-parallel splits): each rank then allocates only its shards,
     plus one submodule's whole tensors at a time while that submodule is initialized. Submodules are visited
@@ -213,14 +233,16 @@ def materialize_(
     of ranks or the layout, and need no random-number support from DTensor (which has none on CPU). Tied weights
     stay tied (``to_empty`` alone unties them).
     """
-    if not has_meta_tensors(module):
-        return []
+    scope = module if within is None else within
+    if not has_meta_tensors(scope):
+        return Materialized([], [])
     if records is None:
         records = init_records(module)
     names = {id(m): name for name, m in module.named_modules()}
-    slots = [(m, name) for m in module.modules() for name, t in _own_tensors(m) if t.is_meta]
-    tied = _shared_slots(module)
-    module.to_empty(device=device)
+    slots = [(m, name) for m in scope.modules() for name, t in _own_tensors(m) if t.is_meta]
+    tied = _shared_slots(scope)
+    for m in {id(m): m for m, _ in slots}.values():
+        _to_empty_own(m, device)
     _retie_(tied)
     fresh: dict[int, tuple[nn.Module, str, torch.Tensor]] = {}  # was on meta: poisoned, then initialized
     for m, name in slots:
@@ -230,7 +252,7 @@ def materialize_(
     with torch.no_grad():
         for _, _, t in fresh.values():
             _poison_(_local(t))
-        for m in _post_order(module):
+        for m in _post_order(scope):
             near = [m, *m.children()]
             if not any(id(t) in fresh for c in near for _, t in _own_tensors(c)):
                 continue
@@ -251,15 +273,38 @@ def materialize_(
             if reset is not None and any(id(t) in fresh and _unwritten(_local(t)) for _, t in _own_tensors(m)):
                 with _whole(near, set(fresh)):
                     reset()
-    return [
+    unwritten = [
         (_join(names.get(id(m), ""), name), name in m._parameters or name not in m._non_persistent_buffers_set)
         for m, name, t in fresh.values()
         if _unwritten(_local(t))
     ]
+    not_replayed = [
+        qualified
+        for m, name, _ in fresh.values()
+        if id(m) not in hf
+        and (qualified := _join(names.get(id(m), ""), name)) in records
+        and records[qualified] is None
+    ]
+    return Materialized(unwritten, not_replayed)
 
 
 def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
+
+
+def _to_empty_own(module: nn.Module, device: torch.device) -> None:
+    """Storage on ``device`` for ``module``'s own meta tensors; its tensors elsewhere (a model partly loaded, a part
+    DeepSpeed has partitioned already) are left as they are."""
+    own = list(_own_tensors(module))
+    if all(t.is_meta for _, t in own):
+        module.to_empty(device=device, recurse=False)  # (DTensor parameters too: FSDP2 re-reads them on first use)
+        return
+    for name, p in list(module._parameters.items()):
+        if p is not None and p.is_meta:
+            module._parameters[name] = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
+    for name, b in list(module._buffers.items()):
+        if b is not None and b.is_meta:
+            module._buffers[name] = torch.empty_like(b, device=device)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ from typing_extensions import override
 from lightning_bigtrain._compat import StrategyMixinBase
 from lightning_bigtrain.functional.memory import set_mmap_threshold
 from lightning_bigtrain.functional.rng import fold_seed, seed_all_
-from lightning_bigtrain.warnings import NoEffectWarning, warn_once
+from lightning_bigtrain.warnings import BigtrainWarning, NoEffectWarning, warn_once
 
 RNG_KEY = "bigtrain_rng"
 
@@ -19,6 +19,39 @@ class ZeroCommon(StrategyMixinBase):
     """Mixed into a Lightning ``ParallelStrategy`` with ``options: ZeroOptions`` and ``memory: dict``."""
 
     _rng_seed: int | None = None
+
+    @staticmethod
+    def _report_unwritten(left: list[tuple[str, bool]], not_replayed: list[str], who: str) -> None:
+        """After materializing a meta-device model: refuse a non-persistent buffer no initializer wrote (no checkpoint
+        restores it); name the other unwritten tensors in a warning (a checkpoint loaded next fills them), and those
+        whose constructor's initialization could not be replayed."""
+        if not_replayed:
+            listed = ", ".join(f"`{n}`" for n in not_replayed[:8])
+            more = f" and {len(not_replayed) - 8} more" if len(not_replayed) > 8 else ""
+            warn_once(
+                f"`{who}` materialized a model built on the meta device, and could not replay how its constructor "
+                f"initialized {listed}{more}: from tensors computed on the meta device (e.g. `copy_` of one built "
+                "there), which hold no values. `reset_parameters()` initialized them instead, where their module has "
+                "one. Build those values in place (`nn.init`, `fill_`), from real tensors, or in `reset_parameters()`.",
+                BigtrainWarning,
+            )
+        lost = [name for name, restorable in left if not restorable]
+        if lost:
+            raise ValueError(
+                f"`{who}` materialized a model built on the meta device, and no initializer wrote "
+                f"{', '.join(f'`{n}`' for n in lost)}: a non-persistent buffer, which no checkpoint restores, so "
+                "training would read uninitialized memory. Give its module a `reset_parameters()` that fills it, or "
+                "build the model on a real device (not under `init_module(empty_init=True)` or `torch.device('meta')`)."
+            )
+        if left:
+            listed = ", ".join(f"`{n}`" for n, _ in left[:8]) + (f" and {len(left) - 8} more" if len(left) > 8 else "")
+            warn_once(
+                f"`{who}` materialized a model built on the meta device; no initializer wrote {listed} (built out of "
+                "place, by a module with no `reset_parameters()`, outside any Hugging Face `_init_weights`). They "
+                "hold uninitialized memory until a checkpoint is loaded (`ckpt_path=...`); give those modules a "
+                "`reset_parameters()` if the run starts from scratch.",
+                BigtrainWarning,
+            )
 
     def _fix_host_allocator(self, states_on_host: bool) -> None:
         """``ZeroOptions(host_mmap_threshold=...)``: when the sharded states live in host memory, keep glibc from

@@ -12,7 +12,8 @@ bytes in the run report.
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+from collections.abc import Generator, Mapping
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -25,6 +26,8 @@ from typing_extensions import override
 from lightning_bigtrain._compat import _IS_INTERACTIVE
 from lightning_bigtrain.checkpointing import atomic_folder_save, load_path
 from lightning_bigtrain.functional.compression import Cast, Compressor
+from lightning_bigtrain.functional.materialize import has_meta_tensors, init_records, materialize_, record_init
+from lightning_bigtrain.functional.sharding import auto_wrap_targets
 from lightning_bigtrain.strategies._common import RNG_KEY, ZeroCommon
 from lightning_bigtrain.strategies._compression import resolve_compression
 from lightning_bigtrain.strategies._fault import FaultTolerantStrategyMixin
@@ -374,7 +377,60 @@ class DeepSpeedZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, DeepSpeedStr
         if type(self.precision_plugin) is DeepSpeedPrecision:
             self.precision_plugin = _EngineClipping(self.precision_plugin.precision, self)
         self._backwards_since_step, self._manual_clip = 0, None
+        assert self.model is not None
+        if has_meta_tensors(self.model):
+            self._materialize()
         super().setup(trainer)
+
+    @override
+    @contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """``Trainer.init_module(empty_init=True)``: the module is built on the meta device, its constructor's
+        initializations recorded, and materialized in :meth:`setup` (stage 3: one unit at a time, each partitioned
+        before the next). Lightning builds it in uninitialized memory at stages 1-2, and whole at stage 3."""
+        if not empty_init:
+            with super().tensor_init_context(empty_init):
+                yield
+            return
+        with record_init(), torch.device("meta"), self.precision_plugin.tensor_init_context():
+            yield
+
+    @override
+    @contextmanager
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """Around ``configure_model``. Stage 3: the module is built on the meta device with its constructor's
+        initializations recorded, then materialized and partitioned unit by unit in :meth:`setup`. Lightning builds
+        it under ``deepspeed.zero.Init``, which partitions each layer as its constructor returns, so that an
+        enclosing constructor's initialization (``self.apply(self._init_weights)``, a Hugging Face model's
+        ``post_init``) meets empty partitions: silently skipped, or an IndexError (an embedding's padding row)."""
+        if self.stage != 3:
+            with record_init(), super().model_sharded_context():
+                yield
+            return
+        with record_init(), torch.device("meta"):
+            yield
+
+    def _materialize(self) -> None:
+        """Storage and initial values for a meta-device model (:func:`materialize_`: a Hugging Face model's
+        ``_init_weights``, the constructor's recorded initializations, ``reset_parameters()``). Stage 3: each unit
+        (the repeated blocks) is materialized and at once partitioned by ``deepspeed.zero.Init(module=...)``, so a
+        rank holds one whole block at a time besides its partitions; the engine partitions the rest."""
+        assert self.model is not None and self.root_device is not None
+        records = init_records(self.model)
+        parts = []
+        if self.stage == 3:
+            import deepspeed
+
+            self._init_config_if_needed()  # (zero.Init reads the batch size from it)
+            for unit in auto_wrap_targets(self.model):
+                parts.append(materialize_(self.model, self.root_device, records, within=unit))
+                deepspeed.zero.Init(module=unit, remote_device=self.remote_device, config_dict_or_path=self.config)
+        parts.append(materialize_(self.model, self.root_device, records))
+        self._report_unwritten(
+            [x for p in parts for x in p.unwritten],
+            [x for p in parts for x in p.not_replayed],
+            f"DeepSpeedZeroStrategy(stage={self.stage})",
+        )
 
     @override
     def _setup_model_and_optimizer(self, model: Any, optimizer: Any, lr_scheduler: Any = None) -> tuple[Any, Any]:

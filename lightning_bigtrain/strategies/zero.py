@@ -441,23 +441,7 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         device = torch.device("cpu") if offloaded else self.root_device
         left = materialize_(self.model, device, self._init_records)
         self._init_records = {}
-        lost = [name for name, restorable in left if not restorable]
-        if lost:
-            raise ValueError(
-                f"`ZeroStrategy(stage={self.stage})` materialized a model built on the meta device, and no initializer "
-                f"wrote {', '.join(f'`{n}`' for n in lost)}: a non-persistent buffer, which no checkpoint restores, so "
-                "training would read uninitialized memory. Give its module a `reset_parameters()` that fills it, or "
-                "build the model on a real device (not under `init_module(empty_init=True)` or `torch.device('meta')`)."
-            )
-        if left:
-            listed = ", ".join(f"`{n}`" for n, _ in left[:8]) + (f" and {len(left) - 8} more" if len(left) > 8 else "")
-            warn_once(
-                f"`ZeroStrategy(stage={self.stage})` materialized a model built on the meta device; no initializer "
-                f"wrote {listed} (their modules define no `reset_parameters()` and no Hugging Face `_init_weights` "
-                "covers them). They hold uninitialized memory until a checkpoint is loaded (`ckpt_path=...`); give "
-                "those modules a `reset_parameters()` if the run starts from scratch.",
-                BigtrainWarning,
-            )
+        self._report_unwritten(left.unwritten, left.not_replayed, f"ZeroStrategy(stage={self.stage})")
 
     def _setup_pipeline(self, trainer: L.Trainer) -> None:
         """Every rank starts from the first stage's weights and seed; the block container is cut into stages

@@ -21,8 +21,9 @@ def _pair(build):
     with torch.device("meta"):
         meta = build()
     torch.manual_seed(0)
-    left = materialize_(meta, torch.device("cpu"))
-    return eager, meta, left
+    done = materialize_(meta, torch.device("cpu"))
+    assert done.not_replayed == []
+    return eager, meta, done.unwritten
 
 
 def test_torch_layers_are_initialized_as_their_constructors_would():
@@ -104,7 +105,7 @@ def test_a_constructors_own_initialization_is_replayed():
         meta = build()
     with torch.device("meta"):
         unrecorded = build()
-    assert materialize_(meta, torch.device("cpu")) == []
+    assert materialize_(meta, torch.device("cpu")) == ([], [])
     materialize_(unrecorded, torch.device("cpu"))
     params = dict(meta.named_parameters())
     for name, p in eager.named_parameters():
@@ -115,3 +116,21 @@ def test_a_constructors_own_initialization_is_replayed():
             assert abs(q.std() / p.std() - 1) < 0.15, (name, p.std(), q.std())
     assert torch.equal(meta.pad.weight[0], torch.zeros(32))
     assert unrecorded.tok_emb.weight.std() > 0.5
+
+
+def test_weights_loaded_on_meta_land_and_values_computed_there_are_reported():
+    """``load_state_dict`` of real weights into a module on meta (in ``configure_model``, before sharding) is a
+    recorded copy: replayed, the weights land. A value computed from another meta tensor cannot be replayed: named,
+    and ``reset_parameters()`` used instead."""
+    from lightning_bigtrain.functional.materialize import record_init
+
+    loaded = nn.Linear(4, 4).state_dict()
+    with record_init(), torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        model[0].load_state_dict(loaded)
+        with torch.no_grad():
+            model[1].weight.copy_(torch.eye(4))  # torch.eye on meta: no values
+    done = materialize_(model, torch.device("cpu"))
+    assert done == ([], ["1.weight"])
+    assert torch.equal(model[0].weight, loaded["weight"]) and torch.equal(model[0].bias, loaded["bias"])
+    assert torch.isfinite(model[1].weight).all() and not torch.equal(model[1].weight, torch.eye(4))
