@@ -58,19 +58,25 @@ class _Start(L.Callback):
         self.weights = _weights(pl_module)
 
 
-class _LlamaInConfigureModel(L.LightningModule):
-    """Lightning's way for a model too big to build whole: ``configure_model`` builds it on the meta device."""
+class _InConfigureModel(L.LightningModule):
+    """Lightning's way for a model too big to build whole: ``configure_model`` builds it on the meta device (Llama),
+    or plainly, which DeepSpeed's stage 3 turns into a build on meta (BERT: its padding row failed under
+    ``zero.Init``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, family: str) -> None:
         super().__init__()
+        self.family = family
         self.model: torch.nn.Module | None = None
 
     def configure_model(self) -> None:
-        from benchmarks.conformance import _hf_llama
+        from benchmarks.conformance import _hf_bert, _hf_llama
 
         if self.model is None:
-            with torch.device("meta"):
-                self.model = _hf_llama().model  # the LlamaForCausalLM
+            if self.family == "llama":
+                with torch.device("meta"):
+                    self.model = _hf_llama().model  # the LlamaForCausalLM
+            else:
+                self.model = _hf_bert().model
 
     def training_step(self, batch, batch_idx):
         assert self.model is not None
@@ -85,9 +91,9 @@ def _build(family: str) -> L.LightningModule:
 
     if family == "llama":
         return _hf_llama()
-    if family == "llama_configure_model":
-        model = _LlamaInConfigureModel()
-        model.configure_model()  # (the reference: built here; under the strategy, by the Trainer)
+    if family.endswith("_configure_model"):
+        model = _InConfigureModel(family.split("_")[0])
+        model.configure_model()  # (the reference: built here on meta; under the strategy, by the Trainer)
         return model
     if family == "gpt2":
         return _hf_gpt2()
@@ -102,8 +108,8 @@ def _fit(family: str, name: str, on_meta: bool) -> tuple[dict[str, torch.Tensor]
     start = _Start()
     chosen = ZeroStrategy(stage=3, tensor_parallel=2) if name == "tp2" else strategy(name)
     trainer = L.Trainer(strategy=chosen, max_steps=4, callbacks=[start], **_COMMON)
-    if family == "llama_configure_model" and on_meta:
-        model = _LlamaInConfigureModel()
+    if family.endswith("_configure_model") and on_meta:
+        model = _InConfigureModel(family.split("_")[0])
     elif on_meta:
         with trainer.init_module(empty_init=True):
             model = _build(family)
@@ -124,11 +130,12 @@ def _runs(rank: int, family: str, names: list[str]) -> dict[str, object]:
     return out
 
 
-@pytest.mark.parametrize("family", ["chargpt", "llama", "gpt2", "llama_configure_model"])
+@pytest.mark.parametrize("family", ["chargpt", "llama", "gpt2", "llama_configure_model", "bert_configure_model"])
 def test_meta_model_starts_from_the_whole_models_init_and_trains_like_ddp(family):
     if family != "chargpt" and importlib.util.find_spec("transformers") is None:
         pytest.skip("needs transformers")
-    names = ["zero3", "zero1", "ds3"]
+    # (BERT built plainly in configure_model: only DeepSpeed's stage 3 builds it on meta.)
+    names = ["ds3"] if family == "bert_configure_model" else ["zero3", "zero1", "ds3"]
     for r in run_on_ranks(_runs, family, names, init_process_group=False):
         (start, final) = r["ddp"]
         for name in names:
