@@ -3,6 +3,7 @@ every weight initialized as the model would initialize it, identically on every 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import sys
 from collections.abc import Callable, Iterator
@@ -47,7 +48,8 @@ class _InitRecorder(TorchDispatchMode):
                         None if target is base else (tuple(target.shape), target.stride(), int(target.storage_offset()))
                     )
                     ops = [*ops, (func, args[1:], dict(kwargs), view)]
-            setattr(base, _OPS, ops)
+            with contextlib.suppress(AttributeError, TypeError):  # (a tensor subclass that takes no attributes)
+                setattr(base, _OPS, ops)
         return out
 
 
@@ -253,25 +255,22 @@ def materialize_(
         for _, _, t in fresh.values():
             _poison_(_local(t))
         for m in _post_order(scope):
-            near = [m, *m.children()]
-            if not any(id(t) in fresh for c in near for _, t in _own_tensors(c)):
-                continue
+            own = [name for name, t in _own_tensors(m) if id(t) in fresh]
             owner = hf.get(id(m))
-            if owner is not None:
-                with _whole(near, set(fresh)):
+            near = [m, *m.children()]
+            if not own and (owner is None or not any(id(t) in fresh for c in near for _, t in _own_tensors(c))):
+                continue
+            # Every decision below reads whole tensors, the same on every rank (a shard may be empty on some): each
+            # rank takes the same branches, so the gathers inside `_whole` stay matched.
+            with _whole(near, set(fresh)):
+                if owner is not None:
                     owner._init_weights(m)  # type: ignore[operator]
-            replays = [
-                (name, ops)
-                for name, t in _own_tensors(m)
-                if id(t) in fresh and (ops := records.get(_join(names.get(id(m), ""), name))) and _unwritten(_local(t))
-            ]
-            if replays:
-                with _whole([m], set(fresh)):
-                    for name, ops in replays:
+                for name in own:
+                    ops = records.get(_join(names.get(id(m), ""), name))
+                    if ops and _unwritten(getattr(m, name)):
                         _replay(getattr(m, name), ops)
-            reset = _reset_method(m)
-            if reset is not None and any(id(t) in fresh and _unwritten(_local(t)) for _, t in _own_tensors(m)):
-                with _whole(near, set(fresh)):
+                reset = _reset_method(m)
+                if reset is not None and any(_unwritten(getattr(m, name)) for name in own):
                     reset()
     unwritten = [
         (_join(names.get(id(m), ""), name), name in m._parameters or name not in m._non_persistent_buffers_set)

@@ -252,3 +252,42 @@ def _resume(rank: int, folder: str) -> tuple[torch.Tensor, torch.Tensor]:
 def test_a_meta_model_resumes_from_a_checkpoint_exactly(tmp_path):
     for resumed, whole in run_on_ranks(_resume, str(tmp_path), init_process_group=False):
         assert torch.equal(resumed, whole)
+
+
+class _TinyHead(L.LightningModule):
+    """A head with one output: sharded over 2 ranks, its weight's and bias's shard on rank 1 is empty."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Linear(8, 8)
+        self.head = torch.nn.Linear(8, 1)
+        torch.nn.init.normal_(self.head.weight, std=0.01)  # (recorded and replayed)
+
+    def training_step(self, batch, batch_idx):
+        return self.head(torch.relu(self.body(batch[0]))).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _tiny(rank: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    L.seed_everything(0, verbose=False)
+    with record_init(), torch.device("meta"):
+        reference = _TinyHead()
+    materialize_(reference, torch.device("cpu"))
+    L.seed_everything(0, verbose=False)
+    start = _Start()
+    trainer = L.Trainer(strategy=ZeroStrategy(stage=3, min_wrap_params=1), max_steps=2, callbacks=[start], **_COMMON)
+    with trainer.init_module(empty_init=True):
+        model = _TinyHead()
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(16, 8)), batch_size=4)
+    trainer.fit(model, train_dataloaders=data)
+    return start.weights, reference.state_dict()
+
+
+def test_a_parameter_whose_shard_is_empty_on_a_rank_materializes_on_both():
+    """Every rank takes the same initializer branches (decided on whole tensors): with the decision on each rank's
+    own shard, rank 1 (empty shards) skipped the gathers rank 0 entered."""
+    for got, reference in run_on_ranks(_tiny, init_process_group=False):
+        for key, value in reference.items():
+            assert torch.equal(got[key], value), key
