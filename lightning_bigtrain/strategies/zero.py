@@ -881,9 +881,12 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
                     "and save, then resume that one here."
                 )
             return self._load_converted(location, kind)
-        # Targets to load into: this rank's shards, laid out as they were saved.
+        # Targets to load into: this rank's shards, laid out as they were saved. A folder without optimizer states
+        # (`ModelCheckpoint(save_weights_only=True)`) loads the weights; resuming training from it then stops on
+        # Lightning's own message, as with DDP's file (its DCP read failed on the first missing optimizer key).
         state: dict[str, Any] = {"state_dict": get_model_state_dict(self.model)}
-        for i, optimizer in enumerate(self.optimizers):
+        optimizers = [] if kind == "any" else self.optimizers
+        for i, optimizer in enumerate(optimizers):
             if isinstance(optimizer, FlatShardedOptimizer):
                 optimizer.init_state()
                 state[f"optimizer_{i}"] = optimizer.state_dict()
@@ -907,7 +910,7 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
             for k in state:
                 finish_load(saved[k], state[k], self._merged())
         set_model_state_dict(self.model, state["state_dict"])
-        for i, optimizer in enumerate(self.optimizers):
+        for i, optimizer in enumerate(optimizers):
             if isinstance(optimizer, FlatShardedOptimizer):
                 optimizer.load_state_dict(state[f"optimizer_{i}"])
             else:

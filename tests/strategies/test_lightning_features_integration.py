@@ -1,5 +1,5 @@
 """Lightning features a user combines with the strategies, on 2 CPU ranks: evaluating a checkpoint other than the
-model in memory (``validate(ckpt_path=...)``), and ``StochasticWeightAveraging``."""
+model in memory (``validate(ckpt_path=...)``), ``StochasticWeightAveraging``, and weights-only checkpoints."""
 
 from __future__ import annotations
 
@@ -84,3 +84,39 @@ def test_stochastic_weight_averaging_at_stages_1_and_2_and_refused_where_sharded
             torch.testing.assert_close(r[name], r["ddp"], rtol=0, atol=1e-6, msg=name)
         assert "`StochasticWeightAveraging` under `ZeroStrategy(stage=3, ...)`" in r["zero3"]
         assert "Use stage 1 or 2" in r["zero3"]
+
+
+def _weights_only(rank: int, root: str, names: list[str]) -> dict[str, tuple[float, str]]:
+    """``ModelCheckpoint(save_weights_only=True)``: the checkpoint evaluated, then given to ``fit`` to resume."""
+    out = {}
+    for name in names:
+        L.seed_everything(0, verbose=False)
+        folder = os.path.join(root, name)
+        saving = ModelCheckpoint(dirpath=folder, every_n_train_steps=4, save_weights_only=True)
+        trainer = L.Trainer(strategy=strategy(name), max_steps=4, limit_val_batches=2, num_sanity_val_steps=0,
+                            callbacks=[saving], **_QUIET)  # fmt: skip
+        trainer.fit(_model(), datamodule=_data())
+        checkpoint = os.path.join(folder, "epoch=0-step=4.ckpt")
+        (scores,) = L.Trainer(strategy=strategy(name), limit_val_batches=2, **_QUIET).validate(
+            _model(), datamodule=_data(), ckpt_path=checkpoint, verbose=False
+        )
+        try:
+            L.Trainer(strategy=strategy(name), max_steps=6, enable_checkpointing=False, **_QUIET).fit(
+                _model(), datamodule=_data(), ckpt_path=checkpoint
+            )
+            refusal = "resumed"
+        except KeyError as err:
+            refusal = str(err)
+        out[name] = (scores["val_loss"], refusal)
+    return out
+
+
+def test_a_weights_only_checkpoint_evaluates_and_refuses_to_resume_as_lightning_does(tmp_path):
+    """Before: resuming ZeRO's weights-only folder failed inside torch's checkpoint reader (CheckpointException:
+    "Missing key in checkpoint state_dict: optimizer_0.state.0.step") instead of Lightning's message."""
+    names = ["ddp", "zero1", "zero3", "ds2"]
+    for r in run_on_ranks(_weights_only, str(tmp_path), names, init_process_group=False):
+        for name in names:
+            loss, refusal = r[name]
+            assert loss == pytest.approx(r["ddp"][0], rel=1e-4), name
+            assert "save_weights_only" in refusal, (name, refusal)
