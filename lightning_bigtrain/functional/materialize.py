@@ -80,6 +80,15 @@ def _replay(t: torch.Tensor, ops: list[_Op]) -> None:
         func(target, *(here(a) for a in args), **{k: here(v) for k, v in kwargs.items()})
 
 
+def _last_load(ops: list[_Op]) -> int | None:
+    """Index of the last operation that copied real values over the whole tensor (``load_state_dict``), if any."""
+    for i in range(len(ops) - 1, -1, -1):
+        func, args, _, view = ops[i]
+        if func.overloadpacket.__name__ == "copy_" and view is None and args and isinstance(args[0], torch.Tensor):
+            return i
+    return None
+
+
 def has_meta_tensors(module: nn.Module) -> bool:
     """Whether any parameter or buffer of ``module`` (or of a submodule) is on the meta device."""
     return any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers()))
@@ -228,7 +237,7 @@ def materialize_(
     weights, GPT-2's residual projections); the initializations recorded while the model was built under
     :func:`record_init` (``records``, by qualified name; read from the tensors themselves when not given), replayed
     tensor by tensor, so that a constructor's own initialization (``self.apply(self._init_weights)``, a rescaling
-    after it) is kept; then ``reset_parameters()`` (``_reset_parameters()`` in torch's attention) for tensors still
+    after it) is kept, and real values copied in (``load_state_dict``) land, over a Hugging Face init too; then ``reset_parameters()`` (``_reset_parameters()`` in torch's attention) for tensors still
     unwritten. Replayed tensor by tensor, the random draws come in another order than the constructor's: the same
     distributions, not the same values as an eager build. A sharded parameter is initialized whole on every rank
     (the same seed gives the same values) and each rank keeps its shard, so the values do not depend on the number
@@ -267,7 +276,10 @@ def materialize_(
                     owner._init_weights(m)  # type: ignore[operator]
                 for name in own:
                     ops = records.get(_join(names.get(id(m), ""), name))
-                    if ops and _unwritten(getattr(m, name)):
+                    loaded = _last_load(ops) if ops else None
+                    if ops and loaded is not None:  # values copied in after the build win, over HF's init too
+                        _replay(getattr(m, name), ops[loaded:])
+                    elif ops and _unwritten(getattr(m, name)):
                         _replay(getattr(m, name), ops)
                 reset = _reset_method(m)
                 if reset is not None and any(_unwritten(getattr(m, name)) for name in own):
