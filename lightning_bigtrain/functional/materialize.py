@@ -237,9 +237,10 @@ def materialize_(
     weights, GPT-2's residual projections); the initializations recorded while the model was built under
     :func:`record_init` (``records``, by qualified name; read from the tensors themselves when not given), replayed
     tensor by tensor, so that a constructor's own initialization (``self.apply(self._init_weights)``, a rescaling
-    after it) is kept, and real values copied in (``load_state_dict``) land, over a Hugging Face init too; then ``reset_parameters()`` (``_reset_parameters()`` in torch's attention) for tensors still
-    unwritten. Replayed tensor by tensor, the random draws come in another order than the constructor's: the same
-    distributions, not the same values as an eager build. A sharded parameter is initialized whole on every rank
+    after it) is kept, and real values copied in (``load_state_dict``) land, over a Hugging Face init too; then
+    ``reset_parameters()`` (``_reset_parameters()`` in torch's attention) for tensors still unwritten. Replayed
+    tensor by tensor, the random draws come in another order than the constructor's: the same distributions, not
+    the same values as an eager build. A sharded parameter is initialized whole on every rank
     (the same seed gives the same values) and each rank keeps its shard, so the values do not depend on the number
     of ranks or the layout, and need no random-number support from DTensor (which has none on CPU). Tied weights
     stay tied (``to_empty`` alone unties them).
