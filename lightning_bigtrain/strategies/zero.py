@@ -432,8 +432,9 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
     def _materialize(self) -> None:
         """Storage and initial values for a model built on the meta device (``Trainer.init_module(empty_init=True)``,
         or ``torch.device("meta")`` in ``configure_model``), after it is sharded where it will be (stage 3: each rank
-        allocates its shards only). Initialized by the model's own rule where one can be reached (a Hugging Face
-        model's ``_init_weights``), else ``reset_parameters()``; see :func:`materialize_`."""
+        allocates its shards only). Initialized as the model initializes itself: a Hugging Face model's
+        ``_init_weights``, the constructor's initializations recorded by :meth:`tensor_init_context` (weights loaded
+        on meta included), else ``reset_parameters()``; see :func:`materialize_`."""
         assert self.model is not None
         if not has_meta_tensors(self.model):
             return
