@@ -4,6 +4,7 @@ every weight initialized as the model would initialize it, identically on every 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import itertools
 import sys
 from collections.abc import Callable, Iterator
@@ -15,7 +16,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["Materialized", "has_meta_tensors", "init_records", "materialize_", "record_init"]
+from lightning_bigtrain.functional.rng import fold_seed
+
+__all__ = ["Materialized", "has_meta_tensors", "init_records", "init_seed", "materialize_", "record_init"]
 
 _OPS = "_bigtrain_init_ops"  # on a meta tensor: the in-place initializations applied to it (None: not replayable)
 _Op = tuple[Any, tuple[Any, ...], dict[str, Any], "tuple[tuple[int, ...], tuple[int, ...], int] | None"]
@@ -218,17 +221,51 @@ class Materialized(NamedTuple):
     not_replayed: list[str]
 
 
+def init_seed() -> int:
+    """A base seed for :func:`materialize_`, drawn from the default generator (the same on every rank seeded alike).
+    Draw it once per model when materializing it in parts."""
+    return int(torch.randint(0, 2**62, (1,)).item())
+
+
+def _module_seed(seed: int, name: str) -> int:
+    """The seed a submodule is initialized under: ``seed`` folded with a stable hash of its qualified name."""
+    counter = int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little") >> 1
+    return fold_seed(seed, counter)
+
+
+@contextmanager
+def _seeded(seed: int, device: torch.device) -> Iterator[None]:
+    """The default generators (CPU, and ``device``'s when it is an accelerator) seeded with ``seed`` inside; their
+    states restored after."""
+    if device.type in ("cpu", "meta"):
+        with torch.random.fork_rng(devices=[], device_type="cpu"):
+            torch.random.default_generator.manual_seed(seed)
+            yield
+        return
+    module = torch.get_device_module(device.type)
+    index = device.index if device.index is not None else module.current_device()
+    with torch.random.fork_rng(devices=[index], device_type=device.type), module.device(index):
+        torch.random.default_generator.manual_seed(seed)
+        module.manual_seed(seed)  # (the current device's generator: ``index``'s)
+        yield
+
+
 def materialize_(
     module: nn.Module,
     device: torch.device,
     records: dict[str, list[_Op] | None] | None = None,
     *,
     within: nn.Module | None = None,
+    seed: int | None = None,
 ) -> Materialized:
     """Give every meta-device parameter and buffer of ``module`` storage on ``device`` and initialize it; returns
     what could not be initialized as the model would have (:class:`Materialized`). With ``within`` (a
     submodule of ``module``), only that submodule's meta tensors (names, records and Hugging Face models are
     ``module``'s): one unit at a time, for an engine that partitions each unit once it is initialized.
+
+    Each submodule is initialized under its own seed, ``seed`` (default: :func:`init_seed`) folded with its
+    qualified name: its values do not depend on which other submodules are materialized, or in what order (a
+    pipeline stage materializes its own blocks only; DeepSpeed's stage 3 one unit at a time).
 
     Run after sharding (FSDP2 ``fully_shard``, tensor-parallel splits): each rank then allocates only its shards,
     plus one submodule's whole tensors at a time while that submodule is initialized. Submodules are visited
@@ -238,18 +275,19 @@ def materialize_(
     :func:`record_init` (``records``, by qualified name; read from the tensors themselves when not given), replayed
     tensor by tensor, so that a constructor's own initialization (``self.apply(self._init_weights)``, a rescaling
     after it) is kept, and real values copied in (``load_state_dict``) land, over a Hugging Face init too; then
-    ``reset_parameters()`` (``_reset_parameters()`` in torch's attention) for tensors still unwritten. Replayed
-    tensor by tensor, the random draws come in another order than the constructor's: the same distributions, not
-    the same values as an eager build. A sharded parameter is initialized whole on every rank
-    (the same seed gives the same values) and each rank keeps its shard, so the values do not depend on the number
-    of ranks or the layout, and need no random-number support from DTensor (which has none on CPU). Tied weights
-    stay tied (``to_empty`` alone unties them).
+    ``reset_parameters()`` (``_reset_parameters()`` in torch's attention) for tensors still unwritten. Each
+    submodule draws from its own seed: the same distributions as an eager build, not the same draws. A sharded
+    parameter is initialized whole on every rank (the same seed gives the same values) and each rank keeps its
+    shard, so the values do not depend on the number of ranks or the layout, and need no random-number support from
+    DTensor (which has none on CPU). Tied weights stay tied (``to_empty`` alone unties them).
     """
     scope = module if within is None else within
     if not has_meta_tensors(scope):
         return Materialized([], [])
     if records is None:
         records = init_records(module)
+    if seed is None:
+        seed = init_seed()
     names = {id(m): name for name, m in module.named_modules()}
     slots = [(m, name) for m in scope.modules() for name, t in _own_tensors(m) if t.is_meta]
     tied = _shared_slots(scope)
@@ -272,7 +310,7 @@ def materialize_(
                 continue
             # Every decision below reads whole tensors, the same on every rank (a shard may be empty on some): each
             # rank takes the same branches, so the gathers inside `_whole` stay matched.
-            with _whole(near, set(fresh)):
+            with _seeded(_module_seed(seed, names.get(id(m), "")), device), _whole(near, set(fresh)):
                 if owner is not None:
                     owner._init_weights(m)  # type: ignore[operator]
                 for name in own:

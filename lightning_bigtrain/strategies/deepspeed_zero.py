@@ -26,7 +26,13 @@ from typing_extensions import override
 from lightning_bigtrain._compat import _IS_INTERACTIVE
 from lightning_bigtrain.checkpointing import atomic_folder_save, load_path
 from lightning_bigtrain.functional.compression import Cast, Compressor
-from lightning_bigtrain.functional.materialize import has_meta_tensors, init_records, materialize_, record_init
+from lightning_bigtrain.functional.materialize import (
+    has_meta_tensors,
+    init_records,
+    init_seed,
+    materialize_,
+    record_init,
+)
 from lightning_bigtrain.functional.sharding import auto_wrap_targets
 from lightning_bigtrain.strategies._common import RNG_KEY, ZeroCommon
 from lightning_bigtrain.strategies._compression import resolve_compression
@@ -416,16 +422,16 @@ class DeepSpeedZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, DeepSpeedStr
         (the repeated blocks) is materialized and at once partitioned by ``deepspeed.zero.Init(module=...)``, so a
         rank holds one whole block at a time besides its partitions; the engine partitions the rest."""
         assert self.model is not None and self.root_device is not None
-        records = init_records(self.model)
+        records, seed = init_records(self.model), init_seed()
         parts = []
         if self.stage == 3:
             import deepspeed
 
             self._init_config_if_needed()  # (zero.Init reads the batch size from it)
             for unit in auto_wrap_targets(self.model):
-                parts.append(materialize_(self.model, self.root_device, records, within=unit))
+                parts.append(materialize_(self.model, self.root_device, records, within=unit, seed=seed))
                 deepspeed.zero.Init(module=unit, remote_device=self.remote_device, config_dict_or_path=self.config)
-        parts.append(materialize_(self.model, self.root_device, records))
+        parts.append(materialize_(self.model, self.root_device, records, seed=seed))
         self._report_unwritten(
             [x for p in parts for x in p.unwritten],
             [x for p in parts for x in p.not_replayed],

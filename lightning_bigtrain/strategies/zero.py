@@ -367,7 +367,6 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         self._rng_seed = torch.initial_seed()  # replaced by the checkpoint's on resume
         self._init_records = init_records(self.model)  # (read before sharding replaces the parameter objects)
         if self.pipeline_parallel > 1:
-            self._materialize()
             self._setup_pipeline(trainer)
             return
         if self._flat_engine:
@@ -465,8 +464,10 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
             # Set up before with this module (fit, then validate or test with one Trainer): it is cut already.
             self._finish_pipeline_setup(trainer)
             return
+        on_meta = has_meta_tensors(self.model)  # materialized once cut: this rank's blocks only
         self.model = plugin.convert_module(self.model)
-        self.model_to_device()
+        if not on_meta:
+            self.model_to_device()
         if self.tensor_parallel > 1 and self._user_split():
             raise ValueError(
                 f"`ZeroStrategy(pipeline_parallel={self.pipeline_parallel}, tensor_parallel={self.tensor_parallel})`: "
@@ -479,8 +480,9 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
             stage_group = torch.distributed.new_group(ranks)
             if self.global_rank in ranks:
                 self._stage_group = stage_group
-        for tensor in self.model.state_dict(keep_vars=True).values():  # rank 0's weights and seed everywhere
-            torch.distributed.broadcast(tensor.data, src=0)
+        if not on_meta:  # rank 0's weights and seed everywhere (on meta: the seed, which decides the weights)
+            for tensor in self.model.state_dict(keep_vars=True).values():
+                torch.distributed.broadcast(tensor.data, src=0)
         seed = torch.tensor([torch.initial_seed() % 2**62], dtype=torch.int64, device=self.root_device)
         torch.distributed.broadcast(seed, src=0)
         seed_all_(int(seed.item()))
@@ -514,6 +516,9 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
             self._fsdp_comm = counter if count_comm_(blocks, counter) else None
         else:
             self._fsdp_comm = None
+        # A meta model: this rank's blocks and what every stage holds, each module under a seed from rank 0's seed and
+        # its name, so that every stage's copies agree and the values are those of the whole model's.
+        self._materialize()
         self.pipeline_plan = plan
         self._pipeline = PipelineRunner(module, plan, blocks, group, options, self.root_device,
                                         data.get_group() if data.size() > 1 else None)  # fmt: skip
