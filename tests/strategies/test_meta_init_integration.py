@@ -1,10 +1,12 @@
 """A model built on the meta device (``Trainer.init_module(empty_init=True)``, or in ``configure_model``) under
-ZeroStrategy, on 2 CPU ranks: sharded first and then materialized (stage 3: each rank allocates its shards only),
-initialized as the whole model would be (the same values as materializing it in one process: a Hugging Face model by
-its own ``_init_weights``, the char-GPT by its constructor's initialization, recorded and replayed), and trained as
-DDP trains that model. Before: materialized whole on every rank before sharding (a model larger than one device
-could not start), by ``reset_parameters`` only (the char-GPT's own init lost, Llama's RMSNorm weights and rotary
-frequencies left as uninitialized memory, GPT-2's tied head untied)."""
+ZeroStrategy and DeepSpeedZeroStrategy, on 2 CPU ranks: sharded, split or cut first and then materialized (stage 3:
+each rank allocates its shards only; a pipeline stage its own blocks; DeepSpeed one unit at a time), initialized as
+the whole model would be (the same values as materializing it in one process: a Hugging Face model by its own
+``_init_weights``, the char-GPT by its constructor's initialization, recorded and replayed; pretrained weights loaded
+on meta land), and trained as DDP trains that model. Before: materialized whole on every rank before sharding (a
+model larger than one device could not start), by ``reset_parameters`` only (the char-GPT's own init lost, Llama's
+RMSNorm weights and rotary frequencies left as uninitialized memory, GPT-2's tied head untied, loaded weights
+overwritten); DeepSpeed's ``zero.Init`` skipped the char-GPT's init and failed on BERT's padding row."""
 
 from __future__ import annotations
 
