@@ -61,8 +61,25 @@ def record_init() -> Iterator[None]:
     """While active, the in-place initializations a constructor applies to meta-device tensors (``nn.init``
     functions, ``reset_parameters``, ``self.apply(self._init_weights)``, rescaling) are recorded on the tensors, for
     :func:`materialize_` to replay on real storage. Tensors on real devices are untouched."""
-    with _InitRecorder():
-        yield
+    original = torch.nn.init.trunc_normal_
+
+    def trunc_normal_(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        # torch's returns at once on a meta tensor, before any operation this could record: record the call.
+        if not tensor.is_meta or tensor._base is not None:
+            return original(tensor, *args, **kwargs)
+        ops: list[_Op] | None = getattr(tensor, _OPS, [])
+        if ops is not None:
+            ops = [*ops, (original, args, kwargs, None)]
+        with contextlib.suppress(AttributeError, TypeError):
+            setattr(tensor, _OPS, ops)
+        return tensor
+
+    torch.nn.init.trunc_normal_ = trunc_normal_  # (while recording only)
+    try:
+        with _InitRecorder():
+            yield
+    finally:
+        torch.nn.init.trunc_normal_ = original
 
 
 def init_records(module: nn.Module) -> dict[str, list[_Op] | None]:
@@ -87,7 +104,8 @@ def _last_load(ops: list[_Op]) -> int | None:
     """Index of the last operation that copied real values over the whole tensor (``load_state_dict``), if any."""
     for i in range(len(ops) - 1, -1, -1):
         func, args, _, view = ops[i]
-        if func.overloadpacket.__name__ == "copy_" and view is None and args and isinstance(args[0], torch.Tensor):
+        name = getattr(getattr(func, "overloadpacket", None), "__name__", None)
+        if name == "copy_" and view is None and args and isinstance(args[0], torch.Tensor):
             return i
     return None
 
@@ -299,6 +317,7 @@ def materialize_(
         t = getattr(m, name)
         fresh.setdefault(id(t), (m, name, t))
     hf = _hf_owners(module)
+    by_reset: set[tuple[int, str]] = set()  # (module, name) of tensors a `reset_parameters` fallback wrote
     with torch.no_grad():
         for _, _, t in fresh.values():
             _poison_(_local(t))
@@ -308,6 +327,7 @@ def materialize_(
             near = [m, *m.children()]
             if not own and (owner is None or not any(id(t) in fresh for c in near for _, t in _own_tensors(c))):
                 continue
+            new_near = [(c, name) for c in near for name, t in _own_tensors(c) if id(t) in fresh]
             # Every decision below reads whole tensors, the same on every rank (a shard may be empty on some): each
             # rank takes the same branches, so the gathers inside `_whole` stay matched.
             with _seeded(_module_seed(seed, names.get(id(m), "")), device), _whole(near, set(fresh)):
@@ -322,7 +342,20 @@ def materialize_(
                         _replay(getattr(m, name), ops)
                 reset = _reset_method(m)
                 if reset is not None and any(_unwritten(getattr(m, name)) for name in own):
+                    # It re-initializes the module's tensors (and a child's, torch's attention): keep what an
+                    # initializer above wrote already (a Linear's replayed weight when only its bias is missing).
+                    # A value another reset gave (a child's, as a fallback) is not kept: this module's is the more
+                    # specific (torch's attention zeroes its projection's bias).
+                    kept = [
+                        (c, name, t, t.detach().clone())
+                        for c, name in new_near
+                        if (id(c), name) not in by_reset and not _unwritten(t := getattr(c, name))
+                    ]
                     reset()
+                    for _, _, t, value in kept:
+                        t.copy_(value)
+                    by_reset.update((id(c), name) for c, name in new_near)
+                    by_reset.difference_update((id(c), name) for c, name, _, _ in kept)
     unwritten = [
         (_join(names.get(id(m), ""), name), name in m._parameters or name not in m._non_persistent_buffers_set)
         for m, name, t in fresh.values()

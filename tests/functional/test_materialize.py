@@ -149,3 +149,25 @@ def test_weights_loaded_on_meta_land_and_values_computed_there_are_reported():
     assert done == ([], ["1.weight"])
     assert torch.equal(model[0].weight, loaded["weight"]) and torch.equal(model[0].bias, loaded["bias"])
     assert torch.isfinite(model[1].weight).all() and not torch.equal(model[1].weight, torch.eye(4))
+
+
+def test_torch_transformer_and_truncated_normal_initializations_come_back():
+    """``nn.Transformer`` re-initializes its layers' weights (Xavier) after building them, and its attention zeroes
+    its output bias; the fallback ``reset_parameters`` of a layer whose bias alone has no record kept neither before.
+    ``nn.init.trunc_normal_`` does nothing on a meta tensor (torch returns at once): the call itself is recorded."""
+
+    def build():
+        model = nn.Transformer(d_model=32, nhead=2, num_encoder_layers=1, num_decoder_layers=1, dim_feedforward=64)
+        model.proj = nn.Linear(32, 32)
+        nn.init.trunc_normal_(model.proj.weight, std=0.02)
+        return model
+
+    torch.manual_seed(0)
+    eager = build()
+    with record_init(), torch.device("meta"):
+        meta = build()
+    assert materialize_(meta, torch.device("cpu")) == ([], [])
+    weight = meta.encoder.layers[0].linear1.weight
+    assert weight.abs().max() > 1 / 32**0.5  # Xavier's bound (0.35) is above kaiming's (1/sqrt(32))
+    assert torch.equal(meta.encoder.layers[0].self_attn.out_proj.bias, torch.zeros(32))
+    assert abs(meta.proj.weight.std() / eager.proj.weight.std() - 1) < 0.15  # (0.02; the Linear default: 0.1)
