@@ -60,7 +60,10 @@ class _InitRecorder(TorchDispatchMode):
 def record_init() -> Iterator[None]:
     """While active, the in-place initializations a constructor applies to meta-device tensors (``nn.init``
     functions, ``reset_parameters``, ``self.apply(self._init_weights)``, rescaling) are recorded on the tensors, for
-    :func:`materialize_` to replay on real storage. Tensors on real devices are untouched."""
+    :func:`materialize_` to replay on real storage. Tensors on real devices are untouched. ``nn.init.trunc_normal_``
+    returns at once on a meta tensor, before any operation a dispatch mode sees: while active, that one function is
+    wrapped (and restored after) so that its call is recorded. A value built out of place and then wrapped in a
+    parameter (``nn.Parameter(torch.zeros(n))``) is not recorded: the wrapping is invisible here."""
     original = torch.nn.init.trunc_normal_
 
     def trunc_normal_(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
