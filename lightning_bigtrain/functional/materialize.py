@@ -7,7 +7,7 @@ import contextlib
 import hashlib
 import itertools
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Container, Iterator
 from contextlib import contextmanager
 from typing import Any, NamedTuple, cast
 
@@ -17,6 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from lightning_bigtrain.functional.rng import fold_seed
+from lightning_bigtrain.functional.sharding import local_view
 
 __all__ = ["Materialized", "has_meta_tensors", "init_records", "init_seed", "materialize_", "record_init"]
 
@@ -203,7 +204,7 @@ def _post_order(module: nn.Module) -> Iterator[nn.Module]:
 
 
 @contextmanager
-def _whole(modules: list[nn.Module], targets: set[int]) -> Iterator[None]:
+def _whole(modules: list[nn.Module], targets: Container[int]) -> Iterator[None]:
     """Inside: the sharded (DTensor) parameters among ``targets`` (by ``id``) that ``modules`` hold directly are
     replaced by whole plain tensors (gathered: what earlier initializers wrote, or the poison); on exit each rank
     copies its own shard of the whole tensor back into the DTensor's local storage. Every rank computes the same
@@ -240,6 +241,11 @@ class Materialized(NamedTuple):
     #: Tensors whose recorded initialization could not be replayed (computed from other meta tensors), initialized
     #: by ``reset_parameters()`` instead (or left unwritten, then also in ``unwritten``).
     not_replayed: list[str]
+
+    @staticmethod
+    def join(parts: list[Materialized]) -> Materialized:
+        """One report of a model materialized in parts (:func:`materialize_` with ``within``)."""
+        return Materialized([x for p in parts for x in p.unwritten], [x for p in parts for x in p.not_replayed])
 
 
 def init_seed() -> int:
@@ -323,7 +329,7 @@ def materialize_(
     by_reset: set[tuple[int, str]] = set()  # (module, name) of tensors a `reset_parameters` fallback wrote
     with torch.no_grad():
         for _, _, t in fresh.values():
-            _poison_(_local(t))
+            _poison_(local_view(t))
         for m in _post_order(scope):
             own = [name for name, t in _own_tensors(m) if id(t) in fresh]
             owner = hf.get(id(m))
@@ -333,7 +339,7 @@ def materialize_(
             new_near = [(c, name) for c in near for name, t in _own_tensors(c) if id(t) in fresh]
             # Every decision below reads whole tensors, the same on every rank (a shard may be empty on some): each
             # rank takes the same branches, so the gathers inside `_whole` stay matched.
-            with _seeded(_module_seed(seed, names.get(id(m), "")), device), _whole(near, set(fresh)):
+            with _seeded(_module_seed(seed, names.get(id(m), "")), device), _whole(near, fresh):
                 if owner is not None:
                     owner._init_weights(m)  # type: ignore[operator]
                 for name in own:
@@ -362,7 +368,7 @@ def materialize_(
     unwritten = [
         (_join(names.get(id(m), ""), name), name in m._parameters or name not in m._non_persistent_buffers_set)
         for m, name, t in fresh.values()
-        if _unwritten(_local(t))
+        if _unwritten(local_view(t))
     ]
     not_replayed = [
         qualified
@@ -391,8 +397,3 @@ def _to_empty_own(module: nn.Module, device: torch.device) -> None:
     for name, b in list(module._buffers.items()):
         if b is not None and b.is_meta:
             module._buffers[name] = torch.empty_like(b, device=device)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    to_local = getattr(t, "to_local", None)
-    return to_local() if callable(to_local) else t

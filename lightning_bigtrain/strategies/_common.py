@@ -8,6 +8,7 @@ import torch
 from typing_extensions import override
 
 from lightning_bigtrain._compat import StrategyMixinBase
+from lightning_bigtrain.functional.materialize import Materialized
 from lightning_bigtrain.functional.memory import set_mmap_threshold
 from lightning_bigtrain.functional.rng import fold_seed, seed_all_
 from lightning_bigtrain.warnings import BigtrainWarning, NoEffectWarning, warn_once
@@ -21,10 +22,11 @@ class ZeroCommon(StrategyMixinBase):
     _rng_seed: int | None = None
 
     @staticmethod
-    def _report_unwritten(left: list[tuple[str, bool]], not_replayed: list[str], who: str) -> None:
+    def _report_unwritten(done: Materialized, who: str) -> None:
         """After materializing a meta-device model: refuse a non-persistent buffer no initializer wrote (no checkpoint
         restores it); name the other unwritten tensors in a warning (a checkpoint loaded next fills them), and those
         whose constructor's initialization could not be replayed."""
+        left, not_replayed = done
         if not_replayed:
             listed = ", ".join(f"`{n}`" for n in not_replayed[:8])
             more = f" and {len(not_replayed) - 8} more" if len(not_replayed) > 8 else ""

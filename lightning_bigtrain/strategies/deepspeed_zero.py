@@ -27,6 +27,7 @@ from lightning_bigtrain._compat import _IS_INTERACTIVE
 from lightning_bigtrain.checkpointing import atomic_folder_save, load_path
 from lightning_bigtrain.functional.compression import Cast, Compressor
 from lightning_bigtrain.functional.materialize import (
+    Materialized,
     has_meta_tensors,
     init_records,
     init_seed,
@@ -432,11 +433,7 @@ class DeepSpeedZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, DeepSpeedStr
                 parts.append(materialize_(self.model, self.root_device, records, within=unit, seed=seed))
                 deepspeed.zero.Init(module=unit, remote_device=self.remote_device, config_dict_or_path=self.config)
         parts.append(materialize_(self.model, self.root_device, records, seed=seed))
-        self._report_unwritten(
-            [x for p in parts for x in p.unwritten],
-            [x for p in parts for x in p.not_replayed],
-            f"DeepSpeedZeroStrategy(stage={self.stage})",
-        )
+        self._report_unwritten(Materialized.join(parts), f"DeepSpeedZeroStrategy(stage={self.stage})")
 
     @override
     def _setup_model_and_optimizer(self, model: Any, optimizer: Any, lr_scheduler: Any = None) -> tuple[Any, Any]:

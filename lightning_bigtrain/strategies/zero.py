@@ -264,7 +264,6 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         compressed_flat = stage == 1 or (stage == 2 and not isinstance(compressor, Cast))
         self._compression = CompressionSupport(compressor) if compressor is not None and compressed_flat else None
         self._rng_seed: int | None = None
-        self._init_records: dict[str, Any] = {}  # a meta-device model's recorded initializations (setup)
         self._fsdp_comm: CommCounter | None = None
         self._logged_comm_bytes = 0
         self.memory: dict[str, int] = {}
@@ -365,12 +364,12 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
             )
         self._fix_host_allocator(self.root_device.type == "cpu" or self.offload_optimizer)
         self._rng_seed = torch.initial_seed()  # replaced by the checkpoint's on resume
-        self._init_records = init_records(self.model)  # (read before sharding replaces the parameter objects)
+        records = init_records(self.model)  # a meta model's: read before sharding replaces the parameter objects
         if self.pipeline_parallel > 1:
-            self._setup_pipeline(trainer)
+            self._setup_pipeline(trainer, records)
             return
         if self._flat_engine:
-            self._materialize()
+            self._materialize(records)
             self._setup_flat(trainer)
             return
         if not is_fully_sharded(self.model):
@@ -398,7 +397,7 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
                     offload_policy=self._offload_policy(),
                     async_prefetch=self.root_device.type == "cpu",
                 )
-        self._materialize()  # a meta-device model: this rank's shards only, initialized as the whole model would be
+        self._materialize(records)  # a meta model: this rank's shards only, initialized as the whole model would be
         self._sharded_root = is_fully_sharded(self.model)  # read by every step (_step): computed once here
         for handle in self._root_hooks:
             handle.remove()
@@ -428,7 +427,7 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         with record_init(), super().tensor_init_context(empty_init):
             yield
 
-    def _materialize(self) -> None:
+    def _materialize(self, records: dict[str, Any]) -> None:
         """Storage and initial values for a model built on the meta device (``Trainer.init_module(empty_init=True)``,
         or ``torch.device("meta")`` in ``configure_model``), after it is sharded where it will be (stage 3: each rank
         allocates its shards only). Initialized as the model initializes itself: a Hugging Face model's
@@ -439,11 +438,9 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
             return
         offloaded = getattr(self._offload_policy(), "pin_memory", None) is not None
         device = torch.device("cpu") if offloaded else self.root_device
-        left = materialize_(self.model, device, self._init_records)
-        self._init_records = {}
-        self._report_unwritten(left.unwritten, left.not_replayed, f"ZeroStrategy(stage={self.stage})")
+        self._report_unwritten(materialize_(self.model, device, records), f"ZeroStrategy(stage={self.stage})")
 
-    def _setup_pipeline(self, trainer: L.Trainer) -> None:
+    def _setup_pipeline(self, trainer: L.Trainer, records: dict[str, Any]) -> None:
         """Every rank starts from the first stage's weights and seed; the block container is cut into stages
         (this rank keeps its own blocks); the optimizers are built over what this rank holds."""
         assert self.model is not None and self.pipeline_options is not None
@@ -518,7 +515,7 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
             self._fsdp_comm = None
         # A meta model: this rank's blocks and what every stage holds, each module under a seed from rank 0's seed and
         # its name, so that every stage's copies agree and the values are those of the whole model's.
-        self._materialize()
+        self._materialize(records)
         self.pipeline_plan = plan
         self._pipeline = PipelineRunner(module, plan, blocks, group, options, self.root_device,
                                         data.get_group() if data.size() > 1 else None)  # fmt: skip

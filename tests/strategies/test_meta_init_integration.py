@@ -191,8 +191,8 @@ def _peak(rank: int, name: str) -> tuple[float, int]:
         chosen = ZeroStrategy(pipeline_parallel=2) if name == "pp2" else strategy(name)
         materialize = chosen._materialize  # marked when done: the engine's own buffers come after (DeepSpeed's)
 
-        def marked() -> None:
-            materialize()
+        def marked(*args) -> None:
+            materialize(*args)
             timeline.mark("materialized")
 
         chosen._materialize = marked
