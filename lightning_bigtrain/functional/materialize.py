@@ -9,99 +9,287 @@ import itertools
 import sys
 from collections.abc import Callable, Container, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, NamedTuple, cast
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 from lightning_bigtrain.functional.rng import fold_seed
 from lightning_bigtrain.functional.sharding import local_view
 
 __all__ = ["Materialized", "has_meta_tensors", "init_records", "init_seed", "materialize_", "record_init"]
 
-_OPS = "_bigtrain_init_ops"  # on a meta tensor: the in-place initializations applied to it (None: not replayable)
-_Op = tuple[Any, tuple[Any, ...], dict[str, Any], "tuple[tuple[int, ...], tuple[int, ...], int] | None"]
+_OPS = "_bigtrain_init_ops"  # on a meta tensor: the in-place operations applied to it (None: not replayable)
+_MADE = "_bigtrain_made"  # on a meta tensor: how its value was made out of place (a `_Ref`; None: not replayable)
+_View = tuple[tuple[int, ...], tuple[int, ...], int]  # (shape, stride, storage offset)
+#: (operation, its other arguments, keyword arguments, the view of the tensor it wrote; None: the whole tensor)
+_Op = tuple[Any, tuple[Any, ...], dict[str, Any], "_View | None"]
+_EMPTY = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"})
+
+
+@dataclass(frozen=True, eq=False)
+class _Node:
+    """An out-of-place operation run on the meta device (``torch.zeros``, ``torch.arange``, ``x * 0.02``) and which
+    of its outputs (None: its only one). A meta tensor argument is a :class:`_Ref` to its value at that moment."""
+
+    func: Any
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    index: int | None
+
+
+@dataclass(frozen=True, eq=False)
+class _Ref:
+    """The value of a meta tensor at one point while the model was built: the operation that made its storage, the
+    in-place operations applied to that storage since (each with the view it wrote), then the view read."""
+
+    node: _Node
+    ops: tuple[_Op, ...]
+    view: _View | None
+
+
+#: A tensor's record: how its value was made (None: not recorded, e.g. made before recording began) and the
+#: in-place operations applied to it since.
+_Record = tuple[_Ref | None, list[_Op]]
+
+
+class _Unreplayable(Exception):
+    """A meta tensor argument whose value was not recorded (made before recording began, or from such a tensor)."""
+
+
+def _geometry(t: torch.Tensor) -> _View:
+    return tuple(t.shape), t.stride(), int(t.storage_offset())
+
+
+def _is_ref(x: Any) -> bool:
+    return isinstance(x, _Ref)
 
 
 class _InitRecorder(TorchDispatchMode):
-    """Records, on each meta-device tensor, the in-place operations applied to it (``uniform_``, ``normal_``,
-    ``fill_``, ``mul_`` ..., also through a view such as an embedding's padding row), with their arguments, so that
-    they can be replayed on real storage. A real tensor argument is kept (``load_state_dict`` of loaded weights
-    copies them in: replayed, they land); a meta one (``copy_`` from a tensor computed on meta) makes the record
-    unreplayable."""
+    """Records how each meta-device tensor gets its value, for :func:`materialize_` to compute it on real storage:
+
+    * the out-of-place operation that made its storage (``torch.zeros(d)``, ``torch.ones(d) * 1e-6``,
+      ``torch.arange(n)``), as ``_MADE`` on the tensor;
+    * the in-place operations applied to that storage since (``uniform_``, ``normal_``, ``fill_``, ``mul_``,
+      ``copy_`` ..., also through a view such as an embedding's padding row or a slice of a position table, or
+      through ``.data``), with their arguments, as ``_OPS``.
+
+    Both sit on the storage's *holder*: the tensor that made it, until a module registers a tensor on that storage
+    (``nn.Parameter(value)`` is a new tensor object on the same storage, which no operation shows: the registration
+    hooks call :meth:`adopt`); that tensor then carries the record, which :func:`init_records` reads by name.
+
+    A meta tensor argument is recorded as a :class:`_Ref` to its value at that moment, so that a chain (a sinusoidal
+    position table written through slices, a relative-position index) replays whole. A real tensor argument is kept
+    (``load_state_dict`` of loaded weights copies them in: replayed, they land). A meta argument whose value was not
+    recorded (made before recording began) makes the record unreplayable (None)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._holders: dict[int, torch.Tensor] = {}  # storage -> the tensor carrying its record (kept alive)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         target = args[0] if args else None
-        if (
-            isinstance(target, torch.Tensor)
-            and target.is_meta
-            and func.overloadpacket.__name__.endswith("_")
-            and torch.Tag.inplace_view not in func.tags
-        ):
-            base = target._base if target._base is not None else target
-            ops: list[_Op] | None = getattr(base, _OPS, [])
-            if ops is not None:
-                if any(isinstance(a, torch.Tensor) and a.is_meta for a in tree_leaves((args[1:], kwargs))):
-                    ops = None  # computed from other meta tensors: nothing to replay it from
-                else:
-                    view = (
-                        None if target is base else (tuple(target.shape), target.stride(), int(target.storage_offset()))
-                    )
-                    ops = [*ops, (func, args[1:], dict(kwargs), view)]
+        if isinstance(target, torch.Tensor) and target.is_meta and func.overloadpacket.__name__.endswith("_"):
+            if torch.Tag.inplace_view not in func.tags:
+                self.record_inplace(func, target, args[1:], kwargs)
+            return out
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        if not any(isinstance(o, torch.Tensor) and o.is_meta for o in outs):
+            return out
+        read = {_storage(a) for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor) and a.is_meta}
+        try:
+            captured_args, captured_kwargs = self._capture((args, dict(kwargs)))
+        except _Unreplayable:
+            captured_args = None
+        for i, o in enumerate(outs):
+            if not isinstance(o, torch.Tensor) or not o.is_meta or _storage(o) in read:
+                continue  # (a view of an argument: its value is read through the argument's record)
+            made = None
+            if captured_args is not None:
+                made = _Ref(_Node(func, captured_args, captured_kwargs, None if o is out else i), (), None)
             with contextlib.suppress(AttributeError, TypeError):  # (a tensor subclass that takes no attributes)
-                setattr(base, _OPS, ops)
+                setattr(o, _MADE, made)
+                self._holders[_storage(o)] = o
         return out
+
+    def record_inplace(self, func: Any, target: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """``func(target, *args, **kwargs)`` ran (or, for a function that does nothing on meta, would run) in place."""
+        holder = self._holder(target)
+        ops: list[_Op] | None = getattr(holder, _OPS, [])
+        if ops is not None:
+            try:
+                captured_args, captured_kwargs = self._capture((args, dict(kwargs)))
+                view = None if _geometry(target) == _geometry(holder) else _geometry(target)
+                ops = [*ops, (func, captured_args, captured_kwargs, view)]
+            except _Unreplayable:
+                ops = None  # computed from a tensor whose value was not recorded: nothing to replay it from
+        with contextlib.suppress(AttributeError, TypeError):
+            setattr(holder, _OPS, ops)
+
+    def _holder(self, t: torch.Tensor) -> torch.Tensor:
+        """The tensor carrying the record of ``t``'s storage: its holder when its value was recorded, else its base
+        (a tensor made before recording began: the in-place operations are recorded on it all the same). A parameter
+        no module registered (``copy.deepcopy`` of a module sets them directly) takes the record over here."""
+        base = t._base if t._base is not None else t
+        if isinstance(base, nn.Parameter):
+            self.adopt(base)
+        holder = self._holders.get(_storage(t))
+        return holder if holder is not None else base
+
+    def _capture(self, tree: Any) -> Any:
+        """``tree`` with each meta tensor replaced by a :class:`_Ref` to its current value."""
+        return tree_map(lambda a: self._ref(a) if isinstance(a, torch.Tensor) and a.is_meta else a, tree)
+
+    def _ref(self, t: torch.Tensor, holder: torch.Tensor | None = None) -> _Ref:
+        """A reference to ``t``'s current value, read through ``holder`` (default: its storage's)."""
+        holder = self._holder(t) if holder is None else holder
+        made: _Ref | None = getattr(holder, _MADE, None)
+        ops: list[_Op] | None = getattr(holder, _OPS, [])
+        if made is None or ops is None or made.view is not None:  # (a holder is never a registered view)
+            raise _Unreplayable
+        view = None if _geometry(t) == _geometry(holder) else _geometry(t)
+        return _Ref(made.node, (*made.ops, *ops), view)
+
+    def adopt(self, tensor: Any) -> None:
+        """A tensor is being registered in a module: when it is a new tensor object on a recorded storage (a
+        parameter wrapping a value made on meta), it takes over the record. One that views part of the storage
+        (``x.sum(-1).flatten()``) takes its value as it is now: an in-place operation after is not seen in it."""
+        if not isinstance(tensor, torch.Tensor) or not tensor.is_meta or hasattr(tensor, _MADE):
+            return
+        holder = self._holders.get(_storage(tensor))
+        if holder is None or holder is tensor:
+            return
+        try:
+            made: _Ref | None = self._ref(tensor, holder)
+        except _Unreplayable:
+            made = None
+        with contextlib.suppress(AttributeError, TypeError):
+            setattr(tensor, _MADE, made)
+            setattr(tensor, _OPS, [])
+            if _geometry(holder) == _geometry(tensor):
+                self._holders[_storage(tensor)] = tensor
+
+
+def _storage(t: torch.Tensor) -> int:
+    return int(t.untyped_storage()._cdata)
 
 
 @contextmanager
 def record_init() -> Iterator[None]:
-    """While active, the in-place initializations a constructor applies to meta-device tensors (``nn.init``
-    functions, ``reset_parameters``, ``self.apply(self._init_weights)``, rescaling) are recorded on the tensors, for
-    :func:`materialize_` to replay on real storage. Tensors on real devices are untouched. ``nn.init.trunc_normal_``
-    returns at once on a meta tensor, before any operation a dispatch mode sees: while active, that one function is
-    wrapped (and restored after) so that its call is recorded. A value built out of place and then wrapped in a
-    parameter (``nn.Parameter(torch.zeros(n))``) is not recorded: the wrapping is invisible here."""
+    """While active, how each meta-device tensor gets its value is recorded (see :class:`_InitRecorder`), for
+    :func:`materialize_` to compute it on real storage: the in-place initializations a constructor applies
+    (``nn.init`` functions, ``reset_parameters``, ``self.apply(self._init_weights)``, rescaling, writes through
+    ``.data`` or a slice) and the values built out of place and wrapped in a parameter or registered as a buffer
+    (``nn.Parameter(torch.zeros(1, 1, d))``, ``nn.Parameter(1e-6 * torch.ones(d))``, a sinusoidal table, a
+    relative-position index). Tensors on real devices are untouched. ``nn.init.trunc_normal_`` returns at once on a
+    meta tensor, before any operation a dispatch mode sees: while active, that one function is wrapped (and
+    restored after) so that its call is recorded. Module registration hooks are installed while active (a parameter
+    wrapping a value takes its record when registered); on exit, the tensors of deep-copied modules, which are set
+    without registration, take theirs."""
     original = torch.nn.init.trunc_normal_
+    recorder = _InitRecorder()
 
     def trunc_normal_(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         # torch's returns at once on a meta tensor, before any operation this could record: record the call.
-        if not tensor.is_meta or tensor._base is not None:
+        if not tensor.is_meta:
             return original(tensor, *args, **kwargs)
-        ops: list[_Op] | None = getattr(tensor, _OPS, [])
-        if ops is not None:
-            ops = [*ops, (original, args, kwargs, None)]
-        with contextlib.suppress(AttributeError, TypeError):
-            setattr(tensor, _OPS, ops)
+        recorder.record_inplace(original, tensor, args, kwargs)
         return tensor
 
+    def adopt(module: nn.Module, name: str, tensor: Any) -> None:
+        recorder.adopt(tensor)
+
+    modules: list[nn.Module] = []  # registered as children while recording (kept alive until the end)
+
+    def child(module: nn.Module, name: str, submodule: Any) -> None:
+        if isinstance(submodule, nn.Module):
+            modules.append(submodule)
+
+    module_hooks = torch.nn.modules.module
     torch.nn.init.trunc_normal_ = trunc_normal_  # (while recording only)
+    hooks = [
+        module_hooks.register_module_parameter_registration_hook(adopt),
+        module_hooks.register_module_buffer_registration_hook(adopt),
+        module_hooks.register_module_module_registration_hook(child),
+    ]
     try:
-        with _InitRecorder():
+        with recorder:
             yield
+            # A deep copy of a module (`_get_clones`: N copies of one layer) sets its tensors without registering
+            # them: each copy's tensors take over the records of the values they wrap here.
+            seen: set[int] = set()
+            for module in modules:
+                for m in module.modules():
+                    if id(m) not in seen:
+                        seen.add(id(m))
+                        for _, t in _own_tensors(m):
+                            recorder.adopt(t)
     finally:
+        for hook in hooks:
+            hook.remove()
         torch.nn.init.trunc_normal_ = original
 
 
-def init_records(module: nn.Module) -> dict[str, list[_Op] | None]:
-    """The recorded initializations of ``module``'s meta tensors by qualified name (every name of a tied tensor).
-    Read them before sharding: sharding replaces the parameter objects that carry them."""
+def init_records(module: nn.Module) -> dict[str, _Record | None]:
+    """The recorded initializations of ``module``'s meta tensors by qualified name (every name of a tied tensor);
+    None for one that cannot be replayed. Read them before sharding: sharding replaces the parameter objects that
+    carry them."""
     named = itertools.chain(
         module.named_parameters(remove_duplicate=False), module.named_buffers(remove_duplicate=False)
     )
-    return {name: getattr(t, _OPS) for name, t in named if t.is_meta and hasattr(t, _OPS)}
+    records: dict[str, _Record | None] = {}
+    for name, t in named:
+        if not t.is_meta or not (hasattr(t, _OPS) or hasattr(t, _MADE)):
+            continue
+        made, ops = getattr(t, _MADE, None), getattr(t, _OPS, [])
+        unreplayable = ops is None or (hasattr(t, _MADE) and made is None)
+        records[name] = None if unreplayable else (made, ops)
+    return records
 
 
-def _replay(t: torch.Tensor, ops: list[_Op]) -> None:
-    def here(a: Any) -> Any:
-        return a.to(t.device) if isinstance(a, torch.Tensor) else a
+class _Values:
+    """Computes recorded values on ``device``. A value made out of place is computed once (a draw two tensors were
+    built from stays shared): use one per submodule, so that nothing outlives it."""
 
-    for func, args, kwargs, view in ops:
-        target = t if view is None else t.as_strided(*view)
-        func(target, *(here(a) for a in args), **{k: here(v) for k, v in kwargs.items()})
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._made: dict[int, torch.Tensor] = {}
+
+    def _resolve(self, tree: Any) -> Any:
+        def here(a: Any) -> Any:
+            if isinstance(a, _Ref):
+                return self.value(a)
+            if isinstance(a, torch.Tensor):
+                return a.to(self.device)
+            if isinstance(a, torch.device) and a.type == "meta":
+                return self.device
+            return a
+
+        return tree_map(here, tree, is_leaf=_is_ref)
+
+    def value(self, ref: _Ref) -> torch.Tensor:
+        node = ref.node
+        made = self._made.get(id(node))
+        if made is None:
+            out = node.func(*self._resolve(node.args), **self._resolve(node.kwargs))
+            made = out if node.index is None else out[node.index]
+            if getattr(node.func, "overloadpacket", node.func).__name__ in _EMPTY:
+                _poison_(made)  # (uninitialized memory: what is not written after is found unwritten)
+            self._made[id(node)] = made
+        if ref.ops:
+            made = made.clone()
+            self.replay(made, list(ref.ops))
+        return made if ref.view is None else made.as_strided(*ref.view)
+
+    def replay(self, t: torch.Tensor, ops: list[_Op]) -> None:
+        for func, args, kwargs, view in ops:
+            target = t if view is None else t.as_strided(*view)
+            func(target, *self._resolve(args), **self._resolve(kwargs))
 
 
 def _last_load(ops: list[_Op]) -> int | None:
@@ -238,14 +426,21 @@ class Materialized(NamedTuple):
     #: Tensors no initializer wrote (uninitialized memory): ``(qualified name, restorable)``, restorable when a
     #: checkpoint holds it (a parameter or a persistent buffer; not a non-persistent buffer).
     unwritten: list[tuple[str, bool]]
-    #: Tensors whose recorded initialization could not be replayed (computed from other meta tensors), initialized
-    #: by ``reset_parameters()`` instead (or left unwritten, then also in ``unwritten``).
+    #: Tensors whose recorded initialization could not be replayed (computed from meta tensors made before recording
+    #: began), initialized by ``reset_parameters()`` instead (or left unwritten, then also in ``unwritten``).
     not_replayed: list[str]
+    #: Tensors the constructor itself left uninitialized (``torch.empty``, nothing written after), as an eager build
+    #: leaves them: filled with NaN (integers: their minimum), so that a read before the model's own write shows.
+    uninitialized: list[str] = []
 
     @staticmethod
     def join(parts: list[Materialized]) -> Materialized:
         """One report of a model materialized in parts (:func:`materialize_` with ``within``)."""
-        return Materialized([x for p in parts for x in p.unwritten], [x for p in parts for x in p.not_replayed])
+        return Materialized(
+            [x for p in parts for x in p.unwritten],
+            [x for p in parts for x in p.not_replayed],
+            [x for p in parts for x in p.uninitialized],
+        )
 
 
 def init_seed() -> int:
@@ -280,7 +475,7 @@ def _seeded(seed: int, device: torch.device) -> Iterator[None]:
 def materialize_(
     module: nn.Module,
     device: torch.device,
-    records: dict[str, list[_Op] | None] | None = None,
+    records: dict[str, _Record | None] | None = None,
     *,
     within: nn.Module | None = None,
     seed: int | None = None,
@@ -301,7 +496,9 @@ def materialize_(
     weights, GPT-2's residual projections); the initializations recorded while the model was built under
     :func:`record_init` (``records``, by qualified name; read from the tensors themselves when not given), replayed
     tensor by tensor, so that a constructor's own initialization (``self.apply(self._init_weights)``, a rescaling
-    after it) is kept, and real values copied in (``load_state_dict``) land, over a Hugging Face init too; then
+    after it) and the values it built out of place (``nn.Parameter(torch.zeros(d))``, a position table, a
+    relative-position index) are kept, and real values copied in (``load_state_dict``) land, over a Hugging Face
+    init too; then
     ``reset_parameters()`` (``_reset_parameters()`` in torch's attention) for tensors still unwritten. Each
     submodule draws from its own seed: the same distributions as an eager build, not the same draws. A sharded
     parameter is initialized whole on every rank (the same seed gives the same values) and each rank keeps its
@@ -310,7 +507,7 @@ def materialize_(
     """
     scope = module if within is None else within
     if not has_meta_tensors(scope):
-        return Materialized([], [])
+        return Materialized([], [], [])
     if records is None:
         records = init_records(module)
     if seed is None:
@@ -342,13 +539,20 @@ def materialize_(
             with _seeded(_module_seed(seed, names.get(id(m), "")), device), _whole(near, fresh):
                 if owner is not None:
                     owner._init_weights(m)  # type: ignore[operator]
+                values = _Values(device)
                 for name in own:
-                    ops = records.get(_join(names.get(id(m), ""), name))
-                    loaded = _last_load(ops) if ops else None
-                    if ops and loaded is not None:  # values copied in after the build win, over HF's init too
-                        _replay(getattr(m, name), ops[loaded:])
-                    elif ops and _unwritten(getattr(m, name)):
-                        _replay(getattr(m, name), ops)
+                    record = records.get(_join(names.get(id(m), ""), name))
+                    if record is None:
+                        continue
+                    made, ops = record
+                    t = getattr(m, name)
+                    loaded = _last_load(ops)
+                    if loaded is not None:  # values copied in after the build win, over HF's init too
+                        values.replay(t, ops[loaded:])
+                    elif _unwritten(t):
+                        if made is not None:
+                            t.copy_(values.value(made))
+                        values.replay(t, ops)
                 reset = _reset_method(m)
                 if reset is not None and any(_unwritten(getattr(m, name)) for name in own):
                     # It re-initializes the module's tensors (and a child's, torch's attention): keep what an
@@ -365,11 +569,15 @@ def materialize_(
                         t.copy_(value)
                     by_reset.update((id(c), name) for c, name in new_near)
                     by_reset.difference_update((id(c), name) for c, name, _, _ in kept)
-    unwritten = [
-        (_join(names.get(id(m), ""), name), name in m._parameters or name not in m._non_persistent_buffers_set)
-        for m, name, t in fresh.values()
-        if _unwritten(local_view(t))
-    ]
+    unwritten: list[tuple[str, bool]] = []
+    uninitialized: list[str] = []
+    for m, name, t in fresh.values():
+        if _unwritten(local_view(t)):
+            qualified = _join(names.get(id(m), ""), name)
+            if _left_empty(records.get(qualified)):
+                uninitialized.append(qualified)
+            else:
+                unwritten.append((qualified, name in m._parameters or name not in m._non_persistent_buffers_set))
     not_replayed = [
         qualified
         for m, name, _ in fresh.values()
@@ -377,7 +585,16 @@ def materialize_(
         and (qualified := _join(names.get(id(m), ""), name)) in records
         and records[qualified] is None
     ]
-    return Materialized(unwritten, not_replayed)
+    return Materialized(unwritten, not_replayed, uninitialized)
+
+
+def _left_empty(record: _Record | None) -> bool:
+    """Whether a record says: made by ``torch.empty`` (or alike) and nothing written after."""
+    if record is None or record[0] is None or record[1]:
+        return False
+    made = record[0]
+    func = made.node.func
+    return not made.ops and made.view is None and getattr(func, "overloadpacket", func).__name__ in _EMPTY
 
 
 def _join(prefix: str, name: str) -> str:

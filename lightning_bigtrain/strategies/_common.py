@@ -24,17 +24,20 @@ class ZeroCommon(StrategyMixinBase):
     @staticmethod
     def _report_unwritten(done: Materialized, who: str) -> None:
         """After materializing a meta-device model: refuse a non-persistent buffer no initializer wrote (no checkpoint
-        restores it); name the other unwritten tensors in a warning (a checkpoint loaded next fills them), and those
-        whose constructor's initialization could not be replayed."""
-        left, not_replayed = done
+        restores it); name the other unwritten tensors in a warning (a checkpoint loaded next fills them), those
+        whose constructor's initialization could not be replayed, and those the constructor left uninitialized."""
+        left, not_replayed, uninitialized = done
+        outside = (
+            "Build the model under `trainer.init_module(empty_init=True)` or in `configure_model()`, where the "
+            "strategy records how each tensor is initialized (not under a `torch.device('meta')` of your own "
+            "before the Trainer runs)"
+        )
         if not_replayed:
-            listed = ", ".join(f"`{n}`" for n in not_replayed[:8])
-            more = f" and {len(not_replayed) - 8} more" if len(not_replayed) > 8 else ""
             warn_once(
                 f"`{who}` materialized a model built on the meta device, and could not replay how its constructor "
-                f"initialized {listed}{more}: from tensors computed on the meta device (e.g. `copy_` of one built "
-                "there), which hold no values. `reset_parameters()` initialized them instead, where their module has "
-                "one. Build those values in place (`nn.init`, `fill_`), from real tensors, or in `reset_parameters()`.",
+                f"initialized {_listed(not_replayed)}: from meta tensors made before recording began, which hold no "
+                "values. `reset_parameters()` initialized them instead, where their module has one. " + outside + ", "
+                "or build those values from real tensors.",
                 BigtrainWarning,
             )
         lost = [name for name, restorable in left if not restorable]
@@ -42,16 +45,23 @@ class ZeroCommon(StrategyMixinBase):
             raise ValueError(
                 f"`{who}` materialized a model built on the meta device, and no initializer wrote "
                 f"{', '.join(f'`{n}`' for n in lost)}: a non-persistent buffer, which no checkpoint restores, so "
-                "training would read uninitialized memory. Give its module a `reset_parameters()` that fills it, or "
-                "build the model on a real device (not under `init_module(empty_init=True)` or `torch.device('meta')`)."
+                f"training would read uninitialized memory. {outside}; or give its module a `reset_parameters()` "
+                "that fills it; or build the model on a real device."
             )
         if left:
-            listed = ", ".join(f"`{n}`" for n, _ in left[:8]) + (f" and {len(left) - 8} more" if len(left) > 8 else "")
             warn_once(
-                f"`{who}` materialized a model built on the meta device; no initializer wrote {listed} (built out of "
-                "place, by a module with no `reset_parameters()`, outside any Hugging Face `_init_weights`). They "
-                "hold uninitialized memory until a checkpoint is loaded (`ckpt_path=...`); give those modules a "
-                "`reset_parameters()` if the run starts from scratch.",
+                f"`{who}` materialized a model built on the meta device; no initializer wrote "
+                f"{_listed([n for n, _ in left])} (not recorded, by a module with no `reset_parameters()`, outside any "
+                "Hugging Face `_init_weights`). They hold uninitialized memory until a checkpoint is loaded "
+                f"(`ckpt_path=...`). If the run starts from scratch: {outside[0].lower()}{outside[1:]}, or give those "
+                "modules a `reset_parameters()`.",
+                BigtrainWarning,
+            )
+        if uninitialized:
+            warn_once(
+                f"`{who}` materialized a model built on the meta device; its constructor left "
+                f"{_listed(uninitialized)} uninitialized (`torch.empty`, nothing written after), as an eager build "
+                "does. They hold NaN (integers: their minimum) until the model writes them.",
                 BigtrainWarning,
             )
 
@@ -166,3 +176,8 @@ class ZeroCommon(StrategyMixinBase):
         }
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
+
+
+def _listed(names: list[str], most: int = 8) -> str:
+    shown = ", ".join(f"`{n}`" for n in names[:most])
+    return shown + (f" and {len(names) - most} more" if len(names) > most else "")

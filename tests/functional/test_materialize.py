@@ -4,7 +4,10 @@ materialized and in what order; what none initializes reported; tied weights kep
 
 from __future__ import annotations
 
+import copy
 import importlib.util
+import itertools
+import math
 
 import pytest
 import torch
@@ -122,7 +125,7 @@ def test_a_constructors_own_initialization_is_replayed():
         meta = build()
     with torch.device("meta"):
         unrecorded = build()
-    assert materialize_(meta, torch.device("cpu")) == ([], [])
+    assert materialize_(meta, torch.device("cpu")) == ([], [], [])
     materialize_(unrecorded, torch.device("cpu"))
     params = dict(meta.named_parameters())
     for name, p in eager.named_parameters():
@@ -135,20 +138,125 @@ def test_a_constructors_own_initialization_is_replayed():
     assert unrecorded.tok_emb.weight.std() > 0.5
 
 
-def test_weights_loaded_on_meta_land_and_values_computed_there_are_reported():
+def test_weights_loaded_on_meta_land_and_values_computed_there_too():
     """``load_state_dict`` of real weights into a module on meta (in ``configure_model``, before sharding) is a
-    recorded copy: replayed, the weights land. A value computed from another meta tensor cannot be replayed: named,
-    and ``reset_parameters()`` used instead."""
+    recorded copy: replayed, the weights land. A value computed on meta from recorded values is computed again. One
+    computed from a meta tensor made before recording began cannot be: named, and ``reset_parameters()`` used
+    instead."""
     loaded = nn.Linear(4, 4).state_dict()
+    before = torch.ones(4, 4, device="meta")  # (made outside the recording: its value is unknown)
     with record_init(), torch.device("meta"):
-        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4))
         model[0].load_state_dict(loaded)
         with torch.no_grad():
-            model[1].weight.copy_(torch.eye(4))  # torch.eye on meta: no values
+            model[1].weight.copy_(torch.eye(4) * 2)
+            model[2].weight.copy_(before * 2)
     done = materialize_(model, torch.device("cpu"))
-    assert done == ([], ["1.weight"])
+    assert done == ([], ["2.weight"], [])
     assert torch.equal(model[0].weight, loaded["weight"]) and torch.equal(model[0].bias, loaded["bias"])
-    assert torch.isfinite(model[1].weight).all() and not torch.equal(model[1].weight, torch.eye(4))
+    assert torch.equal(model[1].weight, torch.eye(4) * 2)
+    assert torch.isfinite(model[2].weight).all() and not torch.equal(model[2].weight, torch.full((4, 4), 2.0))
+
+
+class _BuiltOutOfPlace(nn.Module):
+    """Values a constructor builds out of place on meta, then wraps in a parameter or registers: the PyTorch
+    tutorial's sinusoidal position table (written through strided slices), a layer scale, a class token, a position
+    embedding drawn in place before it is wrapped, a relative-position index (torchvision's Swin: a view registered),
+    a weight written through ``.data``, deep copies of a layer (``_get_clones``: their tensors set without
+    registration)."""
+
+    def __init__(self, d: int = 8, n: int = 12) -> None:
+        super().__init__()
+        position = torch.arange(n).unsqueeze(1)
+        div_term = torch.exp(torch.arange(0, d, 2) * (-math.log(10000.0) / d))
+        pe = torch.zeros(n, 1, d)
+        pe[:, 0, 0::2] = torch.sin(position * div_term)
+        pe[:, 0, 1::2] = torch.cos(position * div_term)
+        self.register_buffer("pe", pe)
+        self.gamma = nn.Parameter(1e-6 * torch.ones(d))
+        self.cls = nn.Parameter(torch.zeros(1, 1, d))
+        self.pos = nn.Parameter(torch.empty(1, n, d).normal_(std=0.02))
+        coords = torch.stack(torch.meshgrid(torch.arange(3), torch.arange(3), indexing="ij")).flatten(1)
+        relative = (coords[:, :, None] - coords[:, None, :]).permute(1, 2, 0).contiguous()
+        relative[:, :, 0] += 2
+        self.register_buffer("index", relative.sum(-1).flatten(), persistent=False)
+        self.proj = nn.Linear(d, d)
+        self.proj.weight.data.fill_(0.5)
+        layer = nn.Module()
+        layer.gamma = nn.Parameter(1e-3 * torch.ones(d))
+        self.copies = nn.ModuleList([copy.deepcopy(layer) for _ in range(2)])  # (`_get_clones`)
+
+
+def test_values_built_out_of_place_are_computed_again():
+    """Recorded by the operations that made them, and by the module's registration hooks (``nn.Parameter(value)``
+    is a new tensor on the same storage, which no operation shows): exact where the constructor is deterministic,
+    the same distribution where it draws. Unrecorded, every one of them was uninitialized memory."""
+    torch.manual_seed(0)
+    eager = _BuiltOutOfPlace()
+    with record_init(), torch.device("meta"):
+        meta = _BuiltOutOfPlace()
+    assert materialize_(meta, torch.device("cpu")) == ([], [], [])
+    for name, a in itertools.chain(eager.named_parameters(), eager.named_buffers()):
+        b = meta.get_parameter(name) if name in dict(meta.named_parameters()) else meta.get_buffer(name)
+        if name == "pos":
+            assert abs(b.std() / a.std() - 1) < 0.2 and not torch.equal(a, b), name
+        elif name == "proj.bias":  # (the Linear's own draw)
+            assert b.abs().max() <= 8**-0.5 and not torch.equal(a, b), name
+        else:
+            assert torch.equal(a, b), name
+    with torch.device("meta"):
+        unrecorded = _BuiltOutOfPlace()
+    left = {name for name, _ in materialize_(unrecorded, torch.device("cpu")).unwritten}
+    assert left == {"pe", "gamma", "cls", "pos", "index", "copies.0.gamma", "copies.1.gamma"}
+
+
+def test_what_the_constructor_leaves_empty_is_reported_apart():
+    """``torch.empty`` with nothing written after (a cache a forward fills) is uninitialized in an eager build too:
+    reported as such, not as a value the materialization lost (which a strategy refuses for a non-persistent
+    buffer)."""
+
+    class Cached(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(4, 4)
+            self.register_buffer("cache", torch.empty(4, 4), persistent=False)
+
+    with record_init(), torch.device("meta"):
+        meta = Cached()
+    assert materialize_(meta, torch.device("cpu")) == ([], [], ["cache"])
+    assert torch.isnan(meta.cache).all() and torch.isfinite(meta.proj.weight).all()
+
+
+@pytest.mark.parametrize("family", ["vit", "swin", "convnext"])
+def test_torchvision_models_built_on_meta_come_back_whole(family):
+    """Models we did not write: torchvision's ViT (class token, position embedding), Swin (relative-position
+    index), ConvNeXt (layer scale), built on meta and materialized: nothing unwritten, every deterministic tensor
+    exact (the relative-position index indexes a bias table: garbage there was an out-of-range gather)."""
+    import torchvision
+
+    def build():
+        if family == "vit":
+            return torchvision.models.VisionTransformer(
+                image_size=32, patch_size=8, num_layers=2, num_heads=2, hidden_dim=32, mlp_dim=64, num_classes=10
+            )
+        if family == "swin":
+            return torchvision.models.SwinTransformer(
+                patch_size=[4, 4], embed_dim=16, depths=[2, 2], num_heads=[2, 2], window_size=[4, 4], num_classes=10
+            )
+        return torchvision.models.ConvNeXt([torchvision.models.convnext.CNBlockConfig(16, 32, 2)], num_classes=10)
+
+    torch.manual_seed(0)
+    eager = build()
+    with record_init(), torch.device("meta"):
+        meta = build()
+    assert materialize_(meta, torch.device("cpu")) == ([], [], [])
+    for (name, a), b in zip(eager.state_dict().items(), meta.state_dict().values(), strict=True):
+        if not a.is_floating_point() or a.unique().numel() == 1:
+            assert torch.equal(a, b), name
+        elif a.numel() > 64:
+            assert abs(b.std() / a.std() - 1) < 0.3, (name, a.std(), b.std())
+    x = torch.randn(2, 3, 32, 32)
+    assert torch.isfinite(meta(x)).all()
 
 
 def test_torch_transformer_and_truncated_normal_initializations_come_back():
@@ -166,7 +274,7 @@ def test_torch_transformer_and_truncated_normal_initializations_come_back():
     eager = build()
     with record_init(), torch.device("meta"):
         meta = build()
-    assert materialize_(meta, torch.device("cpu")) == ([], [])
+    assert materialize_(meta, torch.device("cpu")) == ([], [], [])
     weight = meta.encoder.layers[0].linear1.weight
     assert weight.abs().max() > 1 / 32**0.5  # Xavier's bound (0.35) is above kaiming's (1/sqrt(32))
     assert torch.equal(meta.encoder.layers[0].self_attn.out_proj.bias, torch.zeros(32))

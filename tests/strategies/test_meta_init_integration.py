@@ -119,7 +119,7 @@ def _fit(family: str, name: str, on_meta: bool) -> tuple[dict[str, torch.Tensor]
     else:
         with record_init(), torch.device("meta"):
             model = _build(family)
-        assert materialize_(model, torch.device("cpu")) == ([], [])
+        assert materialize_(model, torch.device("cpu")) == ([], [], [])
     trainer.fit(model, datamodule=ShakespeareDataModule(block_size=32, batch_size=8, subset=128))
     return start.weights, torch.cat(
         [t.reshape(-1) for n, t in _weights(model).items() if n in dict(model.named_parameters())]
@@ -218,13 +218,11 @@ def test_stage3_allocates_only_this_ranks_shards_of_a_meta_model(name):
 
 
 class _Buffered(L.LightningModule):
-    def __init__(self, buffer_reset: bool) -> None:
+    def __init__(self) -> None:
         super().__init__()
         self.net = torch.nn.Linear(8, 8)
         self.extra = torch.nn.Module()
         self.extra.register_buffer("table", torch.arange(8.0), persistent=False)
-        if not buffer_reset:
-            self.extra.gain = torch.nn.Parameter(torch.ones(8))
 
     def training_step(self, batch, batch_idx):
         return (self.net(batch[0]) * self.extra.table).sum()
@@ -233,21 +231,25 @@ class _Buffered(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def _refusal(rank: int) -> str:
+def _refusal(rank: int, recorded: bool) -> str:
     trainer = L.Trainer(strategy=ZeroStrategy(stage=3), max_steps=1, **_COMMON)
-    with trainer.init_module(empty_init=True):
-        model = _Buffered(buffer_reset=True)
+    with trainer.init_module(empty_init=True) if recorded else torch.device("meta"):
+        model = _Buffered()
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 8)), batch_size=4)
     try:
         trainer.fit(model, train_dataloaders=data)
     except ValueError as err:
         return str(err)
-    return "trained"
+    return f"trained: {model.extra.table.tolist()}"
 
 
 def test_a_buffer_no_initializer_writes_is_refused_with_the_fix():
-    message = run_on_ranks(_refusal, init_process_group=False)[0]
-    assert "`extra.table`" in message and "non-persistent buffer" in message and "reset_parameters()" in message
+    """A non-persistent buffer computed out of place (``torch.arange``): built under ``init_module`` its making is
+    recorded and computed again; built on meta before the Trainer runs, nothing records it, and no checkpoint
+    restores it: refused, naming it and the fix."""
+    assert run_on_ranks(_refusal, True, init_process_group=False)[0] == f"trained: {torch.arange(8.0).tolist()}"
+    message = run_on_ranks(_refusal, False, init_process_group=False)[0]
+    assert "`extra.table`" in message and "non-persistent buffer" in message and "init_module" in message
 
 
 def _resume(rank: int, folder: str) -> tuple[torch.Tensor, torch.Tensor]:
