@@ -22,6 +22,7 @@ The results go to ``results/conformance.json`` and the README's matrix is render
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import math
 import os
@@ -38,6 +39,7 @@ import torch.nn.functional as F
 from lightning.pytorch.demos import LightningTransformer
 from torch import nn
 
+from lightning_bigtrain.functional.materialize import has_meta_tensors
 from lightning_bigtrain.functional.sharding import is_replica, local_view
 
 STEPS = 8
@@ -257,6 +259,7 @@ class Cell:
     name: str
     kwargs: Callable[[Family], dict[str, Any]]
     evidence: str  # what "the technique acted" means for this cell
+    meta: bool = False  # the model built under `trainer.init_module(empty_init=True)` (on the meta device)
 
 
 def _zero(stage: int, engine: str = "torch") -> Callable[[Family], dict[str, Any]]:
@@ -388,6 +391,12 @@ def _everything(family: Family) -> dict[str, Any]:
     }
 
 
+_META = (
+    "built on meta (init_module(empty_init=True)), sharded, then materialized: nothing left unwritten or unreplayed, "
+    "each starting tensor as the eager build's (exact where deterministic, the same spread where drawn); parameters "
+    "per rank <= 0.75 of replicated"
+)
+
 CELLS: dict[str, Cell] = {
     c.name: c
     for c in (
@@ -412,6 +421,8 @@ CELLS: dict[str, Cell] = {
         Cell("tp2", _tensor_parallel(False), "blocks split: parameters per rank <= 0.75 of replicated"),
         Cell("tp2_sp", _tensor_parallel(True), "as tp2, with the blocks' norms sequence-parallel"),
         Cell("pp2", _pipeline, "two stages: parameters per rank <= 0.75 of replicated"),
+        Cell("zero3_meta", _zero(3), _META, meta=True),
+        Cell("deepspeed3_meta", _zero(3, "deepspeed"), _META, meta=True),
     )
 }
 
@@ -432,6 +443,48 @@ class _Losses(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, *args: Any) -> None:
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         self.losses.append(float(loss))
+
+
+class _StartWeights(L.Callback):
+    """Every parameter and buffer whole at the start of training (sharded ones gathered, DeepSpeed's stage-3
+    partitions too)."""
+
+    def __init__(self) -> None:
+        self.weights: dict[str, torch.Tensor] = {}
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        params = [p for p in pl_module.parameters() if hasattr(p, "ds_tensor")]
+        gathered: Any = contextlib.nullcontext()
+        if params:
+            import deepspeed
+
+            gathered = deepspeed.zero.GatheredParameters(params)
+        with gathered:
+            self.weights = {n: _whole(t) for n, t in pl_module.state_dict(keep_vars=True).items()}
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    full = getattr(t, "full_tensor", None)
+    return (full() if callable(full) else t).detach().cpu().clone()
+
+
+def _start_mismatch(reference: nn.Module, weights: dict[str, torch.Tensor]) -> list[str]:
+    """The tensors whose starting value is not as the eager build's: exactly equal where that one is deterministic
+    (integers, constants), finite with a standard deviation within a factor of 1.5 where drawn (each submodule is
+    materialized under its own seed: the same distribution, not the same draws)."""
+    wrong = []
+    for name, a in reference.state_dict().items():
+        b = weights.get(name)
+        if b is None or b.shape != a.shape or b.dtype != a.dtype:
+            wrong.append(f"{name}: missing or reshaped")
+        elif not a.is_floating_point() or a.numel() < 2 or bool((a == a.reshape(-1)[0]).all()):
+            if not torch.equal(a, b):
+                wrong.append(f"{name}: not equal")
+        elif not bool(torch.isfinite(b).all()):
+            wrong.append(f"{name}: not finite")
+        elif a.numel() >= 64 and not 1 / 1.5 < float(b.float().std() / a.float().std()) < 1.5:
+            wrong.append(f"{name}: std {float(b.float().std()):.3g} against {float(a.float().std()):.3g}")
+    return wrong[:8]
 
 
 def _replica_digest(model: nn.Module, stage_blocks: str | None = None) -> tuple[str, int]:
@@ -522,9 +575,16 @@ def run_cell(rank: int, family_name: str, cell_name: str, workdir: str, diverge:
         kwargs.setdefault("callbacks", []).append(losses)
         if diverge:
             kwargs["callbacks"].append(_Diverge())
+        if cell.meta:
+            kwargs["callbacks"].append(start := _StartWeights())
         trainer = L.Trainer(accelerator="cpu", devices=2, max_steps=STEPS, limit_val_batches=0, logger=False,
                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                             num_sanity_val_steps=0, default_root_dir=workdir, **kwargs)  # fmt: skip
+        if cell.meta:  # the eager build stays as the reference for the starting weights
+            reference = model
+            with trainer.init_module(empty_init=True):
+                model = _build(family, 0)
+            out["built_on_meta"] = has_meta_tensors(model)
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
             trainer.fit(model, datamodule=data)
@@ -554,6 +614,17 @@ def run_cell(rank: int, family_name: str, cell_name: str, workdir: str, diverge:
         warnings=caught[:5],
         evidence=_evidence(cell_name, trainer, module, numel, state, _dynamo_graphs() - graphs_before, params_now),
     )
+    if cell.meta:
+        done = getattr(trainer.strategy, "materialized", None)
+        out["evidence"].update(
+            built_on_meta=out["built_on_meta"],
+            unwritten=None if done is None else [n for n, _ in done.unwritten] + done.not_replayed,
+            start_mismatch=_start_mismatch(reference, start.weights),
+        )
+        out["evidence"]["acted"] = bool(
+            out["evidence"]["acted"] and out["built_on_meta"] and done is not None and not done.unwritten
+            and not done.not_replayed and not out["evidence"]["start_mismatch"]
+        )  # fmt: skip
     if planned is not None:
         # The planner's prediction for this model and strategy against what this rank holds.
         out["evidence"]["plan"] = {k: [planned[k], state.get(k, 0)] for k in ("params", "grads", "optimizer")}
@@ -614,7 +685,7 @@ def _evidence(cell: str, trainer: L.Trainer, module: nn.Module, numel: int, stat
     if cell in ("zero2", "deepspeed2", "zero2_powersgd"):
         ev["grads_fraction"] = state.get("grads", 0) / full
         ev["acted"] = ev["acted"] and ev["grads_fraction"] <= 0.75
-    if cell in ("zero3", "deepspeed3", "tp2", "tp2_sp", "pp2"):
+    if cell in ("zero3", "deepspeed3", "tp2", "tp2_sp", "pp2", "zero3_meta", "deepspeed3_meta"):
         ev["params_fraction"] = state.get("params", 0) / full
         ev["acted"] = ev["params_fraction"] <= 0.75
     if cell in ("tp2", "tp2_sp"):

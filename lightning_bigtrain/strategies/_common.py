@@ -20,12 +20,17 @@ class ZeroCommon(StrategyMixinBase):
     """Mixed into a Lightning ``ParallelStrategy`` with ``options: ZeroOptions`` and ``memory: dict``."""
 
     _rng_seed: int | None = None
+    #: A model built on the meta device: what materializing it at setup could not initialize as the model would
+    #: have (:class:`~lightning_bigtrain.functional.materialize.Materialized`, on this rank); None for a model
+    #: built on a real device.
+    materialized: Materialized | None = None
 
-    @staticmethod
-    def _report_unwritten(done: Materialized, who: str) -> None:
-        """After materializing a meta-device model: refuse a non-persistent buffer no initializer wrote (no checkpoint
-        restores it); name the other unwritten tensors in a warning (a checkpoint loaded next fills them), those
-        whose constructor's initialization could not be replayed, and those the constructor left uninitialized."""
+    def _report_unwritten(self, done: Materialized, who: str) -> None:
+        """After materializing a meta-device model (kept as :attr:`materialized`): refuse a non-persistent buffer no
+        initializer wrote (no checkpoint restores it); name the other unwritten tensors in a warning (a checkpoint
+        loaded next fills them), those whose constructor's initialization could not be replayed, and those the
+        constructor left uninitialized."""
+        self.materialized = done
         left, not_replayed, uninitialized = done
         outside = (
             "Build the model under `trainer.init_module(empty_init=True)` or in `configure_model()`, where the "

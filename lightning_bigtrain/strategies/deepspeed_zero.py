@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.pytorch.plugins.precision import DeepSpeedPrecision
-from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, Strategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from typing_extensions import override
@@ -392,30 +392,26 @@ class DeepSpeedZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, DeepSpeedStr
     @override
     @contextmanager
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
-        """``Trainer.init_module(empty_init=True)``: the module is built on the meta device, its constructor's
-        initializations recorded, and materialized in :meth:`setup` (stage 3: one unit at a time, each partitioned
-        before the next). Lightning builds it in uninitialized memory at stages 1-2, and whole at stage 3."""
-        if not empty_init:
-            with super().tensor_init_context(empty_init):
+        """Around ``Trainer.init_module()`` and ``configure_model``. On the meta device, with the constructor's
+        initializations recorded, materialized in :meth:`setup` (stage 3: one unit at a time, each partitioned before
+        the next): under ``init_module(empty_init=True)``, and at stage 3 also ``init_module()`` and
+        ``configure_model``. Lightning builds the module in uninitialized memory at stages 1-2 under
+        ``empty_init=True``, whole at stage 3 under ``init_module()``, and in ``configure_model`` under
+        ``deepspeed.zero.Init``, which partitions each layer as its constructor returns, so that an enclosing
+        constructor's initialization (``self.apply(self._init_weights)``, a Hugging Face model's ``post_init``) meets
+        empty partitions: silently skipped, or an IndexError (an embedding's padding row). Otherwise (a model built
+        on a real device) as Lightning's, with initializations on meta tensors recorded (``torch.device("meta")``
+        inside ``configure_model``)."""
+        if empty_init is True or (self.stage == 3 and empty_init is None):
+            with record_init(), torch.device("meta"), self.precision_plugin.tensor_init_context():
                 yield
             return
-        with record_init(), torch.device("meta"), self.precision_plugin.tensor_init_context():
+        with record_init(), super().tensor_init_context(empty_init):
             yield
 
-    @override
-    @contextmanager
-    def model_sharded_context(self) -> Generator[None, None, None]:
-        """Around ``configure_model``. Stage 3: the module is built on the meta device with its constructor's
-        initializations recorded, then materialized and partitioned unit by unit in :meth:`setup`. Lightning builds
-        it under ``deepspeed.zero.Init``, which partitions each layer as its constructor returns, so that an
-        enclosing constructor's initialization (``self.apply(self._init_weights)``, a Hugging Face model's
-        ``post_init``) meets empty partitions: silently skipped, or an IndexError (an embedding's padding row)."""
-        if self.stage != 3:
-            with record_init(), super().model_sharded_context():
-                yield
-            return
-        with record_init(), torch.device("meta"):
-            yield
+    # Not Lightning's `deepspeed.zero.Init` around `configure_model` (see `tensor_init_context`); and not overridden,
+    # so that `Trainer.init_module` does not warn that it cannot build the model properly here.
+    model_sharded_context = Strategy.model_sharded_context
 
     def _materialize(self) -> None:
         """Storage and initial values for a meta-device model (:func:`materialize_`: a Hugging Face model's

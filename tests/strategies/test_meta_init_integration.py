@@ -361,3 +361,21 @@ def test_pretrained_weights_loaded_on_meta_in_configure_model_land(tmp_path):
         pytest.skip("needs transformers")
     for r in run_on_ranks(_pretrained, ["zero3", "zero1", "ds3"], init_process_group=False):
         assert r == {"zero3": 0.0, "zero1": 0.0, "ds3": 0.0}
+
+
+@pytest.mark.parametrize("empty_init", [None, True])
+def test_init_module_under_deepspeed_stage3_builds_on_meta_without_lightnings_false_warning(empty_init):
+    """Lightning warns, under ``init_module`` with any strategy overriding ``model_sharded_context``, that the model
+    cannot be built properly there: false for ours (built on meta, materialized at setup; stage 3 as with
+    ``empty_init=True``, where Lightning built it whole)."""
+    import warnings
+
+    from lightning_bigtrain.strategies import DeepSpeedZeroStrategy
+
+    trainer = L.Trainer(strategy=DeepSpeedZeroStrategy(stage=3), accelerator="cpu", devices=1, logger=False)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with trainer.init_module(empty_init=empty_init):
+            model = torch.nn.Linear(4, 4)
+    assert model.weight.is_meta
+    assert not [w for w in seen if "cannot fully support" in str(w.message)], [str(w.message) for w in seen]
