@@ -423,6 +423,8 @@ CELLS: dict[str, Cell] = {
         Cell("pp2", _pipeline, "two stages: parameters per rank <= 0.75 of replicated"),
         Cell("zero3_meta", _zero(3), _META, meta=True),
         Cell("deepspeed3_meta", _zero(3, "deepspeed"), _META, meta=True),
+        Cell("tp2_meta", _tensor_parallel(False), _META, meta=True),
+        Cell("pp2_meta", _pipeline, _META, meta=True),
     )
 }
 
@@ -468,13 +470,16 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
     return (full() if callable(full) else t).detach().cpu().clone()
 
 
-def _start_mismatch(reference: nn.Module, weights: dict[str, torch.Tensor]) -> list[str]:
+def _start_mismatch(reference: nn.Module, weights: dict[str, torch.Tensor], stage_blocks: str | None) -> list[str]:
     """The tensors whose starting value is not as the eager build's: exactly equal where that one is deterministic
     (integers, constants), finite with a standard deviation within a factor of 1.5 where drawn (each submodule is
-    materialized under its own seed: the same distribution, not the same draws)."""
+    materialized under its own seed: the same distribution, not the same draws). Under a pipeline, the blocks of
+    the cut container (``stage_blocks``) other stages hold are not here."""
     wrong = []
     for name, a in reference.state_dict().items():
         b = weights.get(name)
+        if b is None and stage_blocks is not None and name.startswith(f"{stage_blocks}."):
+            continue
         if b is None or b.shape != a.shape or b.dtype != a.dtype:
             wrong.append(f"{name}: missing or reshaped")
         elif not a.is_floating_point() or a.numel() < 2 or bool((a == a.reshape(-1)[0]).all()):
@@ -616,10 +621,15 @@ def run_cell(rank: int, family_name: str, cell_name: str, workdir: str, diverge:
     )
     if cell.meta:
         done = getattr(trainer.strategy, "materialized", None)
+        split = getattr(trainer.strategy, "tensor_parallel_plan", None)
+        if split is not None and split.swapped_attention:  # compared as the strategy holds them: q/k/v apart
+            from lightning_bigtrain.functional.attention import swap_multihead_attention_
+
+            swap_multihead_attention_(reference, split.swapped_attention)
         out["evidence"].update(
             built_on_meta=out["built_on_meta"],
             unwritten=None if done is None else [n for n, _ in done.unwritten] + done.not_replayed,
-            start_mismatch=_start_mismatch(reference, start.weights),
+            start_mismatch=_start_mismatch(reference, start.weights, cut.container if cut is not None else None),
         )
         out["evidence"]["acted"] = bool(
             out["evidence"]["acted"] and out["built_on_meta"] and done is not None and not done.unwritten
@@ -685,17 +695,17 @@ def _evidence(cell: str, trainer: L.Trainer, module: nn.Module, numel: int, stat
     if cell in ("zero2", "deepspeed2", "zero2_powersgd"):
         ev["grads_fraction"] = state.get("grads", 0) / full
         ev["acted"] = ev["acted"] and ev["grads_fraction"] <= 0.75
-    if cell in ("zero3", "deepspeed3", "tp2", "tp2_sp", "pp2", "zero3_meta", "deepspeed3_meta"):
+    if cell in ("zero3", "deepspeed3", "tp2", "tp2_sp", "pp2", "zero3_meta", "deepspeed3_meta", "tp2_meta", "pp2_meta"):
         ev["params_fraction"] = state.get("params", 0) / full
         ev["acted"] = ev["params_fraction"] <= 0.75
-    if cell in ("tp2", "tp2_sp"):
+    if cell in ("tp2", "tp2_sp", "tp2_meta"):
         split = trainer.strategy.tensor_parallel_plan  # type: ignore[attr-defined]
         ev["splits"] = len(split.splits)
         ev["acted"] = ev["acted"] and bool(split.splits)
         if cell == "tp2_sp":
             ev["sequence_parallel_norms"] = len(split.norms) if split.sequence_dim is not None else 0
             ev["acted"] = ev["acted"] and split.sequence_dim is not None
-    if cell == "pp2":
+    if cell in ("pp2", "pp2_meta"):
         cut = trainer.strategy.pipeline_plan  # type: ignore[attr-defined]
         ev["stages"] = [list(cut.blocks(s)) for s in range(cut.stages)]
         ev["acted"] = ev["acted"] and cut.stages == 2

@@ -10,12 +10,15 @@ heads (``n_head``, ``head_slots()``) for :mod:`lightning_bigtrain.functional.str
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from lightning_bigtrain.functional.materialize import record_init
 
 __all__ = ["HeadedAttention", "swap_multihead_attention_"]
 
@@ -56,10 +59,24 @@ class HeadedAttention(nn.Module):
 
     @classmethod
     def from_torch(cls, mha: nn.MultiheadAttention) -> HeadedAttention:
-        """The same attention, with ``mha``'s weights (copied) and its output projection (kept)."""
+        """The same attention, with ``mha``'s weights (copied) and its output projection (kept). On the meta device
+        (a model built there, not yet materialized), built there with the copies recorded
+        (:func:`~lightning_bigtrain.functional.materialize.record_init`): materialized, the projections hold
+        ``mha``'s values."""
         bias = mha.in_proj_bias is not None
-        new = cls(mha.embed_dim, mha.num_heads, mha.head_dim, mha.kdim, mha.vdim, bias, mha.dropout, mha.batch_first)
-        e = mha.embed_dim
+        with contextlib.ExitStack() as building:
+            if mha.out_proj.weight.is_meta:
+                building.enter_context(torch.device("meta"))
+                building.enter_context(record_init())
+            new = cls(mha.embed_dim, mha.num_heads, mha.head_dim, mha.kdim, mha.vdim, bias, mha.dropout,
+                      mha.batch_first)  # fmt: skip
+            new._copy_from(mha)
+        new.out_proj = mha.out_proj
+        new.train(mha.training)
+        return new.to(device=mha.out_proj.weight.device, dtype=mha.out_proj.weight.dtype)
+
+    def _copy_from(self, mha: nn.MultiheadAttention) -> None:
+        new, e, bias = self, mha.embed_dim, mha.in_proj_bias is not None
         with torch.no_grad():
             if mha._qkv_same_embed_dim:
                 weights = mha.in_proj_weight.split(e)
@@ -70,9 +87,6 @@ class HeadedAttention(nn.Module):
             if bias:
                 for proj, b in zip((new.q_proj, new.k_proj, new.v_proj), mha.in_proj_bias.split(e), strict=True):
                     proj.bias.copy_(b)
-        new.out_proj = mha.out_proj
-        new.train(mha.training)
-        return new.to(device=mha.out_proj.weight.device, dtype=mha.out_proj.weight.dtype)
 
     def head_slots(self) -> list[tuple[str, str, int, int]]:
         """Where each head's weights sit: rows of the three input projections, columns of the output projection."""

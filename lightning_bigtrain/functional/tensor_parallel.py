@@ -56,6 +56,7 @@ __all__ = [
     "saved_layout",
     "sharded_fraction",
     "split_grads_",
+    "swap_block_attention_",
     "unpack_rows",
     "unpacked_shards",
 ]
@@ -590,14 +591,32 @@ def _block_width(block: nn.Module, splits: dict[str, Split]) -> int:
     return _features(block.get_submodule(name))[0]
 
 
+def swap_block_attention_(model: nn.Module) -> list[str]:
+    """The repeated blocks' ``nn.MultiheadAttention`` replaced by the equivalent
+    :class:`~lightning_bigtrain.functional.attention.HeadedAttention`, in place; returns their names.
+    ``nn.MultiheadAttention`` packs q/k/v in one raw parameter its fused kernel reads whole; ``HeadedAttention``
+    computes the same function with one linear per projection, which splits by heads. On the meta device the new
+    projections' values are recorded as slices of the packed one (for
+    :func:`~lightning_bigtrain.functional.materialize.materialize_`)."""
+    from lightning_bigtrain.functional.attention import swap_multihead_attention_
+
+    inside = [f"{name}." for name, _ in _blocks(model)]
+    names = [n for n, m in model.named_modules() if type(m) is nn.MultiheadAttention and n.startswith(tuple(inside))]
+    return swap_multihead_attention_(model, names) if names else []
+
+
 def apply_tensor_parallel_(
     model: nn.Module,
     mesh,
     plan: TensorParallelPlan | None = None,
     verify: bool = True,
     sequence_parallel: bool = False,
+    swapped: list[str] | None = None,
 ) -> TensorParallelPlan:
     """Split ``model`` in place over the 1-D ``mesh`` (its tensor-parallel group) and return the plan applied.
+
+    The blocks' ``nn.MultiheadAttention`` become :class:`~lightning_bigtrain.functional.attention.HeadedAttention`
+    first (:func:`swap_block_attention_`); ``swapped`` names those a caller swapped already (recorded in the plan).
 
     Parameters that stay whole are made identical on every rank of the group (rank 0's values), as the split
     ones are (``distribute_tensor`` takes rank 0's). With ``verify``, each block class is checked on a copy
@@ -610,19 +629,10 @@ def apply_tensor_parallel_(
     reduce-scatter and the input of each column split is all-gathered. Every block class is verified so; if one
     fails, or some block stays whole, the model runs without it and ``plan.sequence_refused`` says why."""
     degree = mesh.size()
-    swapped: list[str] = []
     if plan is None and degree > 1:
-        # nn.MultiheadAttention packs q/k/v in one raw parameter its fused kernel reads whole: the blocks' copies
-        # become HeadedAttention (the same function, one linear per projection), which splits by heads.
-        from lightning_bigtrain.functional.attention import swap_multihead_attention_
-
-        inside = [f"{name}." for name, _ in _blocks(model)]
-        names = [
-            n for n, m in model.named_modules() if type(m) is nn.MultiheadAttention and n.startswith(tuple(inside))
-        ]
-        swapped = swap_multihead_attention_(model, names) if names else []
+        swapped = list(swapped or []) + swap_block_attention_(model)
     plan = plan if plan is not None else plan_tensor_parallel(model, degree)
-    plan.swapped_attention = swapped
+    plan.swapped_attention = list(swapped or [])
     if plan.degree != degree:
         raise ValueError(f"plan for degree {plan.degree} applied on a mesh of {degree} ranks")
     group = mesh.get_group()

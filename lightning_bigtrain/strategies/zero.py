@@ -57,6 +57,7 @@ from lightning_bigtrain.functional.tensor_parallel import (
     finish_load,
     saved_layout,
     split_grads_,
+    swap_block_attention_,
 )
 from lightning_bigtrain.strategies._common import RNG_KEY, ZeroCommon
 from lightning_bigtrain.strategies._compression import (
@@ -264,6 +265,7 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         compressed_flat = stage == 1 or (stage == 2 and not isinstance(compressor, Cast))
         self._compression = CompressionSupport(compressor) if compressor is not None and compressed_flat else None
         self._rng_seed: int | None = None
+        self._swapped_attention: list[str] = []  # the blocks' attention swapped on meta, before the split
         self._fsdp_comm: CommCounter | None = None
         self._logged_comm_bytes = 0
         self.memory: dict[str, int] = {}
@@ -364,6 +366,10 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
             )
         self._fix_host_allocator(self.root_device.type == "cpu" or self.offload_optimizer)
         self._rng_seed = torch.initial_seed()  # replaced by the checkpoint's on resume
+        self._swapped_attention = []
+        if self.tensor_parallel > 1 and has_meta_tensors(self.model) and not self._user_split():
+            # On meta, before the records are read: the new projections' records point at the packed weight's.
+            self._swapped_attention = swap_block_attention_(self.model)
         records = init_records(self.model)  # a meta model's: read before sharding replaces the parameter objects
         if self.pipeline_parallel > 1:
             self._setup_pipeline(trainer, records)
@@ -564,7 +570,9 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
                                     group=mesh.get_group())  # fmt: skip
         seed_all_(int(seed.item()))
         self._rng_seed = int(seed.item())
-        plan = apply_tensor_parallel_(self.model, mesh, sequence_parallel=self.sequence_parallel)
+        plan = apply_tensor_parallel_(
+            self.model, mesh, sequence_parallel=self.sequence_parallel, swapped=self._swapped_attention
+        )
         self.tensor_parallel_plan = plan
         if plan.sequence_refused is not None:
             warn_once(

@@ -57,3 +57,23 @@ def test_modules_it_cannot_represent_are_left_alone():
     mha = nn.MultiheadAttention(16, 4, add_bias_kv=True)
     holder = nn.ModuleDict({"a": mha})
     assert swap_multihead_attention_(holder) == [] and holder["a"] is mha
+
+
+def test_swapped_on_the_meta_device_the_projections_hold_the_packed_weights_values():
+    """Tensor parallelism swaps a meta model's attention before it is materialized: the new projections' values are
+    recorded as slices of the packed ``in_proj_weight`` (Xavier over the packed shape, zero biases), not their
+    Linear default (Kaiming, drawn biases); built there before, the copy out of meta failed."""
+    from lightning_bigtrain.functional.materialize import init_records, materialize_, record_init
+
+    with record_init(), torch.device("meta"):
+        layer = nn.TransformerEncoderLayer(32, 4, 64, batch_first=True)
+    swap_multihead_attention_(layer)
+    assert isinstance(layer.self_attn, HeadedAttention) and layer.self_attn.q_proj.weight.is_meta
+    records = init_records(layer)
+    assert materialize_(layer, torch.device("cpu"), records) == ([], [], [])
+    attention = layer.self_attn
+    for proj in (attention.q_proj, attention.k_proj, attention.v_proj, attention.out_proj):
+        assert torch.equal(proj.bias, torch.zeros(32))
+    weights = torch.cat([attention.q_proj.weight, attention.k_proj.weight, attention.v_proj.weight])
+    bound = (6 / (96 + 32)) ** 0.5  # Xavier's over the packed (96, 32) weight; the Linear default's: 1/sqrt(32)
+    assert 1 / 32**0.5 < weights.abs().max() <= bound
