@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import itertools
 import math
 import re
 from collections import Counter
@@ -439,14 +440,35 @@ def _ties(root: nn.Module, split: list[str]) -> list[list[tuple[nn.Module, str]]
     return groups
 
 
+def _verifiable_copy(block: nn.Module, mesh: Any) -> nn.Module:
+    """A copy of a meta-device ``block`` on the mesh's device, with the same values on every rank: as
+    :func:`~lightning_bigtrain.functional.materialize.materialize_` initializes it from its records under a fixed
+    seed (buffers such as masks and position indices as the model computes them), what stays unwritten drawn from
+    a fixed normal. One block whole, for the check only."""
+    from lightning_bigtrain.functional.materialize import init_records, materialize_
+
+    device = torch.device(mesh.device_type)
+    if device.type != "cpu":
+        device = torch.device(device.type, torch.get_device_module(device.type).current_device())
+    records = init_records(block)  # (read from the block's own tensors: a deep copy drops a parameter's)
+    trial = copy.deepcopy(block)
+    materialize_(trial, device, records, seed=1234)
+    generator = torch.Generator().manual_seed(4321)
+    with torch.no_grad():
+        for t in itertools.chain(trial.parameters(), trial.buffers()):
+            if t.is_floating_point() and bool(torch.isnan(t).any()):
+                t.copy_(torch.randn(t.shape, generator=generator) * 0.02)
+    return trial
+
+
 def _verify_block(
     block: nn.Module, splits, attributes, mesh, width: int, norms: Iterable[str] = (), sequence_dim: int | None = None
 ) -> str | None:
     """Split a copy of ``block`` and compare it with the original on one random input; None when equal. With
     ``sequence_dim`` the copy runs sequence-parallel: its input split along that dimension, its output gathered."""
+    if next(block.parameters()).is_meta:  # a model built on meta, split before it is materialized
+        block = _verifiable_copy(block, mesh)
     device = next(block.parameters()).device
-    if device.type == "meta":
-        return None
     # Both in fp32 (a 16-bit block's round-off would hide nothing a wrong split changes, but would fail the check).
     reference, trial = copy.deepcopy(block).float().eval(), copy.deepcopy(block).float().eval()
     generator = torch.Generator(device="cpu").manual_seed(1234)
