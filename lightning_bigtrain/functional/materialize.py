@@ -14,6 +14,7 @@ from typing import Any, NamedTuple, cast
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
@@ -92,6 +93,10 @@ class _InitRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if _reads_values(func, args, kwargs):
+            valued = self._valued((args, kwargs))
+            if valued is not None:  # (else torch's own error: a meta tensor holds no data)
+                return func(*valued[0], **valued[1])
         out = func(*args, **kwargs)
         target = args[0] if args else None
         if isinstance(target, torch.Tensor) and target.is_meta and func.overloadpacket.__name__.endswith("_"):
@@ -116,6 +121,17 @@ class _InitRecorder(TorchDispatchMode):
                 setattr(o, _MADE, made)
                 self._holders[_storage(o)] = o
         return out
+
+    def _valued(self, tree: Any) -> Any:
+        """``tree`` with each meta tensor replaced by its recorded value, computed on the CPU (a constructor that
+        computes its layout from tensors: ``torch.arange(depth) * w_a + w_0`` then ``.tolist()``, torchvision's
+        RegNet); None when one was not recorded. The default random streams are left as they were."""
+        try:
+            refs = self._capture(tree)
+        except _Unreplayable:
+            return None
+        with torch.random.fork_rng(devices=[]), torch.no_grad():  # (this mode is off inside its own dispatch)
+            return tree_map(_Values(torch.device("cpu")).value_of, refs, is_leaf=_is_ref)
 
     def record_inplace(self, func: Any, target: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """``func(target, *args, **kwargs)`` ran (or, for a function that does nothing on meta, would run) in place."""
@@ -175,8 +191,47 @@ class _InitRecorder(TorchDispatchMode):
                 self._holders[_storage(tensor)] = tensor
 
 
+#: Operations that read a tensor's values out (``.item()``, ``.tolist()``, ``.cpu()``, comparisons in Python).
+_READS = frozenset({"_local_scalar_dense", "item", "is_nonzero", "equal", "allclose"})
+
+
+def _reads_values(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether ``func`` reads the values of a meta tensor argument into Python or onto a real device."""
+    metas = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor) and a.is_meta]
+    if not metas:
+        return False
+    name = func.overloadpacket.__name__
+    if name in _READS:
+        return True
+    if name == "_to_copy":
+        device = kwargs.get("device")
+        return device is not None and torch.device(device).type != "meta"
+    if name == "copy_":  # a real tensor written from a meta one
+        return isinstance(args[0], torch.Tensor) and not args[0].is_meta
+    return False
+
+
 def _storage(t: torch.Tensor) -> int:
     return int(t.untyped_storage()._cdata)
+
+
+class _DataOnMeta(TorchFunctionMode):
+    """``torch.tensor(data)`` and ``x.new_tensor(data)`` for the meta device build on it directly, through no
+    operation a dispatch mode sees: their values would be lost (``register_buffer("mean", torch.tensor([...]))``).
+    While recording they are built on the CPU and then copied to meta, a copy :class:`_InitRecorder` records with
+    its real argument."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.tensor or func is torch.Tensor.new_tensor:
+            device = kwargs.get("device")
+            if device is None:
+                device = args[0].device if func is torch.Tensor.new_tensor else torch.get_default_device()
+            if torch.device(device).type == "meta":
+                grad = bool(kwargs.get("requires_grad", False))
+                real = func(*args, **{**kwargs, "device": "cpu", "requires_grad": False})
+                return real.to("meta").requires_grad_(grad)
+        return func(*args, **kwargs)
 
 
 @contextmanager
@@ -186,7 +241,9 @@ def record_init() -> Iterator[None]:
     (``nn.init`` functions, ``reset_parameters``, ``self.apply(self._init_weights)``, rescaling, writes through
     ``.data`` or a slice) and the values built out of place and wrapped in a parameter or registered as a buffer
     (``nn.Parameter(torch.zeros(1, 1, d))``, ``nn.Parameter(1e-6 * torch.ones(d))``, a sinusoidal table, a
-    relative-position index). Tensors on real devices are untouched. ``nn.init.trunc_normal_`` returns at once on a
+    relative-position index, a constant from ``torch.tensor(data)``). A value read out on meta (``.tolist()``,
+    ``.item()``, ``.cpu()``: a layout computed with tensors), which torch refuses there, is computed on the CPU from
+    the record. Tensors on real devices are untouched. ``nn.init.trunc_normal_`` returns at once on a
     meta tensor, before any operation a dispatch mode sees: while active, that one function is wrapped (and
     restored after) so that its call is recorded. Module registration hooks are installed while active (a parameter
     wrapping a value takes its record when registered); on exit, the tensors of deep-copied modules, which are set
@@ -218,7 +275,7 @@ def record_init() -> Iterator[None]:
         module_hooks.register_module_module_registration_hook(child),
     ]
     try:
-        with recorder:
+        with recorder, _DataOnMeta():
             yield
             # A deep copy of a module (`_get_clones`: N copies of one layer) sets its tensors without registering
             # them: each copy's tensors take over the records of the values they wrap here.
@@ -271,6 +328,10 @@ class _Values:
             return a
 
         return tree_map(here, tree, is_leaf=_is_ref)
+
+    def value_of(self, a: Any) -> Any:
+        """``a`` computed when it is a :class:`_Ref`; as it is otherwise."""
+        return self.value(a) if isinstance(a, _Ref) else a
 
     def value(self, ref: _Ref) -> torch.Tensor:
         node = ref.node

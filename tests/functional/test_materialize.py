@@ -163,9 +163,10 @@ class _BuiltOutOfPlace(nn.Module):
     tutorial's sinusoidal position table (written through strided slices), a layer scale, a class token, a position
     embedding drawn in place before it is wrapped, a relative-position index (torchvision's Swin: a view registered),
     a weight written through ``.data``, deep copies of a layer (``_get_clones``: their tensors set without
-    registration)."""
+    registration), constants from ``torch.tensor(data)`` and ``new_tensor`` (built on meta through no operation),
+    and a layout computed from tensors and read with ``.tolist()`` (torch refuses that on meta: no data)."""
 
-    def __init__(self, d: int = 8, n: int = 12) -> None:
+    def __init__(self, d: int = 8, n: int = 12, layout: bool = True) -> None:
         super().__init__()
         position = torch.arange(n).unsqueeze(1)
         div_term = torch.exp(torch.arange(0, d, 2) * (-math.log(10000.0) / d))
@@ -182,6 +183,11 @@ class _BuiltOutOfPlace(nn.Module):
         self.register_buffer("index", relative.sum(-1).flatten(), persistent=False)
         self.proj = nn.Linear(d, d)
         self.proj.weight.data.fill_(0.5)
+        self.register_buffer("mean", torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1), persistent=False)
+        self.register_buffer("scale", self.proj.weight.new_tensor([2.0, 3.0]))
+        # A layout computed from tensors (torchvision's RegNet):
+        widths = (torch.arange(3) * 1.5 + 2).round().int().tolist() if layout else [2, 4, 5]
+        self.heads = nn.ModuleList(nn.Linear(d, w) for w in widths)
         layer = nn.Module()
         layer.gamma = nn.Parameter(1e-3 * torch.ones(d))
         self.copies = nn.ModuleList([copy.deepcopy(layer) for _ in range(2)])  # (`_get_clones`)
@@ -200,14 +206,17 @@ def test_values_built_out_of_place_are_computed_again():
         b = meta.get_parameter(name) if name in dict(meta.named_parameters()) else meta.get_buffer(name)
         if name == "pos":
             assert abs(b.std() / a.std() - 1) < 0.2 and not torch.equal(a, b), name
-        elif name == "proj.bias":  # (the Linear's own draw)
+        elif name == "proj.bias" or name.startswith("heads."):  # (the Linears' own draws)
             assert b.abs().max() <= 8**-0.5 and not torch.equal(a, b), name
         else:
             assert torch.equal(a, b), name
+    with torch.device("meta"), pytest.raises(NotImplementedError, match="meta"):
+        _BuiltOutOfPlace()  # (unrecorded, torch cannot read the layout's values: built without it below)
     with torch.device("meta"):
-        unrecorded = _BuiltOutOfPlace()
+        unrecorded = _BuiltOutOfPlace(layout=False)
     left = {name for name, _ in materialize_(unrecorded, torch.device("cpu")).unwritten}
-    assert left == {"pe", "gamma", "cls", "pos", "index", "copies.0.gamma", "copies.1.gamma"}
+    assert [h.out_features for h in meta.heads] == [2, 4, 5]
+    assert left == {"pe", "gamma", "cls", "pos", "index", "copies.0.gamma", "copies.1.gamma", "mean", "scale"}
 
 
 def test_what_the_constructor_leaves_empty_is_reported_apart():
@@ -227,11 +236,12 @@ def test_what_the_constructor_leaves_empty_is_reported_apart():
     assert torch.isnan(meta.cache).all() and torch.isfinite(meta.proj.weight).all()
 
 
-@pytest.mark.parametrize("family", ["vit", "swin", "convnext"])
+@pytest.mark.parametrize("family", ["vit", "swin", "convnext", "regnet"])
 def test_torchvision_models_built_on_meta_come_back_whole(family):
     """Models we did not write: torchvision's ViT (class token, position embedding), Swin (relative-position
-    index), ConvNeXt (layer scale), built on meta and materialized: nothing unwritten, every deterministic tensor
-    exact (the relative-position index indexes a bias table: garbage there was an out-of-range gather)."""
+    index), ConvNeXt (layer scale), RegNet (its widths computed with tensors), built on meta and materialized:
+    nothing unwritten, every deterministic tensor exact (the relative-position index indexes a bias table: garbage
+    there was an out-of-range gather)."""
     import torchvision
 
     def build():
@@ -243,6 +253,8 @@ def test_torchvision_models_built_on_meta_come_back_whole(family):
             return torchvision.models.SwinTransformer(
                 patch_size=[4, 4], embed_dim=16, depths=[2, 2], num_heads=[2, 2], window_size=[4, 4], num_classes=10
             )
+        if family == "regnet":  # (its layout computed from tensors, read with `.tolist()`)
+            return torchvision.models.regnet_y_400mf(num_classes=10)
         return torchvision.models.ConvNeXt([torchvision.models.convnext.CNBlockConfig(16, 32, 2)], num_classes=10)
 
     torch.manual_seed(0)
