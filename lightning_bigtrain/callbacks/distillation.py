@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import importlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -460,7 +461,7 @@ class KnowledgeDistillation(L.Callback):
         if self.options.teacher_call is None and not self._signature_checked:
             _check_call(target, args, kwargs, self._teacher_target)
         self._signature_checked = True
-        with torch.no_grad(), trainer.precision_plugin.forward_context():
+        with torch.no_grad(), trainer.precision_plugin.forward_context(), _root_gathered(self.teacher, target):
             if self.options.teacher_call is not None:
                 returned = self.options.teacher_call(target, *args, **kwargs)
             else:
@@ -602,3 +603,20 @@ class KnowledgeDistillation(L.Callback):
         if _PROJECTIONS in pl_module._modules:
             del pl_module._modules[_PROJECTIONS]
         self.teacher = None
+
+
+@contextmanager
+def _root_gathered(teacher: nn.Module, target: nn.Module) -> Iterator[None]:
+    """The teacher's root parameters gathered while one of its submodules is called directly (the student's step
+    called ``self.model(...)``): sharded at stage 3, the teacher's root unit (its own parameters outside every
+    inner unit: a tied embedding, a final norm) is gathered only around the root's own call."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if target is teacher or not isinstance(teacher, FSDPModule):
+        yield
+        return
+    teacher.unshard()
+    try:
+        yield
+    finally:
+        teacher.reshard()

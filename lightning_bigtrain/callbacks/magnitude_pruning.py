@@ -178,7 +178,11 @@ class MagnitudePruning(L.Callback):
                 "global magnitude threshold would be taken over one stage's weights. Prune with tensor_parallel or "
                 "ZeRO (any stage), DDP or CompressedDDPStrategy."
             )
-        self.names = self._choose(pl_module)
+        self.names = self._choose(pl_module)  # (validated here: bad names fail before anything is built)
+        if any(p.is_meta for p in pl_module.parameters()):
+            # Built on the meta device, materialized by the strategy after this hook: chosen again at fit start,
+            # where a zero-initialized weight (torchvision ViT's head) shows as one.
+            self.names = []
         if self.sparsity == 0.0:
             warn_once("MagnitudePruning(sparsity=0.0) prunes nothing; give a sparsity above 0.", NoEffectWarning)
 
@@ -218,7 +222,7 @@ class MagnitudePruning(L.Callback):
             if not param.requires_grad:
                 frozen.append(name)
                 continue
-            if self.parameters is None and not param.is_meta and param.numel() and not _local(param).detach().any():
+            if self.parameters is None and not param.is_meta and param.numel() and _all_zero(param):
                 # Zero-initialized (torchvision's ViT head): it ranks below every trained weight, would be masked whole
                 # at the first event and stay zero for good.
                 zeros.append(name)
@@ -494,6 +498,17 @@ def format_sparsity_table(rows: Sequence[SparsityRow]) -> str:
     numel, zeros = sum(r.numel for r in rows), sum(r.zeros for r in rows)
     lines.append(f"{'total':<{width}}  {'':>18}  {numel:>10,}  {zeros:>10,}  {zeros / max(numel, 1):8.2%}")
     return "\n".join(lines)
+
+
+def _all_zero(param: torch.Tensor) -> bool:
+    """Whether every element is zero; a sharded parameter judged over all its shards (the same answer on every
+    rank, though some hold an empty shard)."""
+    nonzero = _local(param).detach().any()
+    if isinstance(param, DTensor):
+        flag = nonzero.to(torch.float32).reshape(1)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return not bool(flag.item())
+    return not bool(nonzero)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -90,6 +90,7 @@ class _InitRecorder(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self._holders: dict[int, torch.Tensor] = {}  # storage -> the tensor carrying its record (kept alive)
+        self._made: dict[int, _Ref | None] = {}  # storage -> how it was made (a deep copy replaces a tensor's dict)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -120,6 +121,7 @@ class _InitRecorder(TorchDispatchMode):
             with contextlib.suppress(AttributeError, TypeError):  # (a tensor subclass that takes no attributes)
                 setattr(o, _MADE, made)
                 self._holders[_storage(o)] = o
+                self._made[_storage(o)] = made
         return out
 
     def _valued(self, tree: Any) -> Any:
@@ -178,7 +180,11 @@ class _InitRecorder(TorchDispatchMode):
         if not isinstance(tensor, torch.Tensor) or not tensor.is_meta or hasattr(tensor, _MADE):
             return
         holder = self._holders.get(_storage(tensor))
-        if holder is None or holder is tensor:
+        if holder is None:
+            return
+        if holder is tensor:  # its attributes replaced (`Tensor.__deepcopy__` sets `__dict__`): made as recorded
+            with contextlib.suppress(AttributeError, TypeError):
+                setattr(tensor, _MADE, self._made.get(_storage(tensor)))
             return
         try:
             made: _Ref | None = self._ref(tensor, holder)
@@ -286,6 +292,8 @@ def record_init() -> Iterator[None]:
                         seen.add(id(m))
                         for _, t in _own_tensors(m):
                             recorder.adopt(t)
+                        for _, holding, key in _attribute_tensors(m):
+                            recorder.adopt(holding[key])  # (a metric's states, set as plain attributes)
     finally:
         for hook in hooks:
             hook.remove()
@@ -371,6 +379,20 @@ def has_meta_tensors(module: nn.Module) -> bool:
 def _own_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     yield from module.named_parameters(recurse=False)
     yield from module.named_buffers(recurse=False)
+
+
+def _attribute_tensors(module: nn.Module) -> Iterator[tuple[str, dict[str, Any], str]]:
+    """Tensors a module holds outside its parameters and buffers, as ``(name, holding dict, key)``: plain tensor
+    attributes (a torchmetrics metric's states) and a torchmetrics metric's ``_defaults`` (what ``reset()``
+    restores)."""
+    for key, value in vars(module).items():
+        if isinstance(value, torch.Tensor):
+            yield key, vars(module), key
+    defaults = vars(module).get("_defaults")
+    if isinstance(defaults, dict) and type(module).__module__.startswith("torchmetrics"):
+        for key, value in defaults.items():
+            if isinstance(value, torch.Tensor):
+                yield f"_defaults.{key}", defaults, key
 
 
 def _hf_owners(root: nn.Module) -> dict[int, nn.Module]:
@@ -631,6 +653,23 @@ def materialize_(
                     by_reset.update((id(c), name) for c, name in new_near)
                     by_reset.difference_update((id(c), name) for c, name, _, _ in kept)
     unwritten: list[tuple[str, bool]] = []
+    for m in scope.modules():  # tensors held as plain attributes (a torchmetrics metric's states and defaults)
+        for key, value in list(vars(m).items()):
+            if isinstance(value, torch.device) and value.type == "meta":  # (a metric's `_device`, read by `.to()`)
+                vars(m)[key] = device
+        for name, holding, key in list(_attribute_tensors(m)):
+            t = holding[key]
+            if not t.is_meta:
+                continue
+            made, ops = getattr(t, _MADE, None), getattr(t, _OPS, [])
+            if made is None or ops is None:
+                unwritten.append((_join(names.get(id(m), ""), name), False))
+                continue
+            with _seeded(_module_seed(seed, names.get(id(m), "")), device), torch.no_grad():
+                values = _Values(device)
+                value = values.value(made).clone()
+                values.replay(value, ops)
+            holding[key] = value
     uninitialized: list[str] = []
     for m, name, t in fresh.values():
         if _unwritten(local_view(t)):

@@ -49,7 +49,8 @@ class ZeroCommon(StrategyMixinBase):
         if lost:
             raise ValueError(
                 f"`{who}` materialized a model built on the meta device, and no initializer wrote "
-                f"{', '.join(f'`{n}`' for n in lost)}: a non-persistent buffer, which no checkpoint restores, so "
+                f"{', '.join(f'`{n}`' for n in lost)}: a non-persistent buffer or a tensor held as an attribute, "
+                "which no checkpoint restores, so "
                 f"training would read uninitialized memory. {outside}; or give its module a `reset_parameters()` "
                 "that fills it; or build the model on a real device."
             )

@@ -3,6 +3,7 @@ checkpoints and under ZeRO-3, checkpoints that load without the callback, and ba
 
 from __future__ import annotations
 
+import importlib.util
 import warnings
 from typing import Any
 
@@ -163,6 +164,26 @@ def test_teacher_is_sharded_with_the_student_under_zero3():
     for r in run_on_ranks(_zero3_teacher, init_process_group=False):
         assert r["sharded"] and r["local"] <= r["full"] / 2 + 64
         assert r["kd_loss"] > 0
+
+
+def _zero3_submodule_teacher(rank: int) -> float:
+    from benchmarks.conformance import _data, _hf_gpt2
+
+    L.seed_everything(0, verbose=False)
+    kd = KnowledgeDistillation(_hf_gpt2())
+    trainer = L.Trainer(accelerator="cpu", devices=2, max_steps=3, limit_val_batches=0, callbacks=[kd],
+                        strategy=ZeroStrategy(stage=3, min_wrap_params=10_000), **_QUIET)  # fmt: skip
+    trainer.fit(_hf_gpt2(), datamodule=_data("text"))
+    return float(trainer.callback_metrics["distill/kd_loss"])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
+def test_a_sharded_teacher_called_through_its_submodule_gathers_its_root():
+    """A Hugging Face student's step calls ``self.model(...)``, so the teacher's same-named submodule is called
+    directly: under ZeRO-3 the teacher's root unit (GPT-2's tied embedding, its final norm) was never gathered
+    ("aten.embedding got mixed torch.Tensor and DTensor"). Every Hugging Face family failed so."""
+    for kd_loss in run_on_ranks(_zero3_submodule_teacher, init_process_group=False):
+        assert kd_loss > 0
 
 
 def test_bad_teachers_and_layer_names_are_named():

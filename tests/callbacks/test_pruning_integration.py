@@ -210,3 +210,37 @@ def test_structured_pruning_of_models_we_did_not_write(tmp_path):
         assert r["gpt2_left"] < 0.65 and r["gpt2_mlp"] == (64, 128) and r["gpt2_heads"] == 2 and not r["gpt2_no_effect"]
     torch.testing.assert_close(results[0]["demo_weights"], results[1]["demo_weights"], rtol=0, atol=0)
     assert results[0]["demo_loaded"]
+
+
+class _ZeroHeadCNN(FashionCNN):
+    """A classifier zero-initialized (as torchvision's ViT initializes its head)."""
+
+    def __init__(self) -> None:
+        super().__init__(channels=(8, 16))
+        torch.nn.init.zeros_(self.classifier.weight)
+
+
+def _meta_zero_head(rank: int) -> dict:
+    L.seed_everything(0, verbose=False)
+    pruning = MagnitudePruning(0.5, schedule=PruningSchedule(start=1, end=3, frequency=1), plot=False)
+    trainer = L.Trainer(max_steps=4, strategy=ZeroStrategy(stage=3), callbacks=[pruning], logger=False, **_COMMON)
+    with trainer.init_module(empty_init=True):
+        model = _ZeroHeadCNN()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        trainer.fit(model, datamodule=_tiny_fashion())
+    head = model.classifier.weight
+    head = head.full_tensor() if hasattr(head, "full_tensor") else head
+    return {"names": pruning.names, "head_nonzero": int((head != 0).sum()), "head_numel": head.numel(),
+            "warned": any("all zeros at setup" in str(w.message) for w in seen)}  # fmt: skip
+
+
+def test_a_zero_initialized_weight_of_a_meta_model_is_left_dense():
+    """Built on the meta device, the weights hold no values at ``setup`` (the strategy materializes them after):
+    the zero-initialized head looked like any weight, was masked whole at the first event and stayed zero (the loss
+    of torchvision's ViT never fell). The choice now waits for the materialized weights, judged over all shards."""
+    results = run_on_ranks(_meta_zero_head, init_process_group=False)
+    assert results[0]["warned"]  # (rank 0 warns)
+    for r in results:
+        assert "classifier.weight" not in r["names"] and r["names"], r["names"]
+        assert r["head_nonzero"] > r["head_numel"] // 2, r

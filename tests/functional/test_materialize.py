@@ -291,3 +291,19 @@ def test_torch_transformer_and_truncated_normal_initializations_come_back():
     assert weight.abs().max() > 1 / 32**0.5  # Xavier's bound (0.35) is above kaiming's (1/sqrt(32))
     assert torch.equal(meta.encoder.layers[0].self_attn.out_proj.bias, torch.zeros(32))
     assert abs(meta.proj.weight.std() / eager.proj.weight.std() - 1) < 0.15  # (0.02; the Linear default: 0.1)
+
+
+def test_a_modules_metrics_built_on_meta_come_back():
+    """torchmetrics metrics keep their states as plain attributes and their defaults in a dict, and remember the
+    device they were built on: left on meta, the first ``.to()`` (the strategy's) failed ("Cannot copy out of meta
+    tensor"). Their states are computed from the record and their device set."""
+    from lightning_bigtrain.models import FashionCNN
+
+    with record_init(), torch.device("meta"):
+        model = FashionCNN(channels=(8, 16))
+    assert materialize_(model, torch.device("cpu")) == ([], [], [])
+    model.to("cpu")
+    model.val_acc.update(torch.randn(4, 10), torch.tensor([1, 2, 3, 4]))
+    assert 0 <= float(model.val_acc.compute()) <= 1
+    model.val_acc.reset()
+    assert torch.equal(model.val_acc.tp, torch.zeros(10, dtype=torch.long)) and model.val_acc.device.type == "cpu"
