@@ -338,6 +338,14 @@ def _kd(family: Family) -> dict[str, Any]:
     return {"strategy": "ddp", "callbacks": [KnowledgeDistillation(_build(family, 1234), temperature=2.0)]}
 
 
+def _kd_zero3(family: Family) -> dict[str, Any]:
+    """Distillation with the student and the teacher sharded (ZeRO-3): the teacher's root unit gathered around the
+    call of its submodule when the student's step calls one."""
+    from lightning_bigtrain.strategies import ZeroStrategy
+
+    return {**_kd(family), "strategy": ZeroStrategy(stage=3, min_wrap_params=10_000)}
+
+
 #: Black and white of the Fashion-MNIST datamodule's standardised images.
 _FMNIST_RANGE = ((0 - 0.2860) / 0.3530, (1 - 0.2860) / 0.3530)
 
@@ -410,6 +418,7 @@ CELLS: dict[str, Cell] = {
         Cell("bf16", _bf16, "parameters stored in bf16"),
         Cell("fusion", _fusion, "graphs compiled (compile='regional'), no eager fallback"),
         Cell("kd", _kd, "distill/kd_loss logged"),
+        Cell("kd_zero3", _kd_zero3, "distill/kd_loss logged; parameters per rank <= 0.75 of replicated"),
         Cell("augment", _augment, "every training batch augmented; the loss on a clean batch falls"),
         Cell("magnitude", _magnitude, "weight sparsity >= 0.45"),
         Cell("nm_2_4", _nm, "2:4 pattern on the pruned weights"),
@@ -695,7 +704,8 @@ def _evidence(cell: str, trainer: L.Trainer, module: nn.Module, numel: int, stat
     if cell in ("zero2", "deepspeed2", "zero2_powersgd"):
         ev["grads_fraction"] = state.get("grads", 0) / full
         ev["acted"] = ev["acted"] and ev["grads_fraction"] <= 0.75
-    if cell in ("zero3", "deepspeed3", "tp2", "tp2_sp", "pp2", "zero3_meta", "deepspeed3_meta", "tp2_meta", "pp2_meta"):
+    if cell in ("zero3", "deepspeed3", "tp2", "tp2_sp", "pp2", "zero3_meta", "deepspeed3_meta", "tp2_meta", "pp2_meta",
+                "kd_zero3"):  # fmt: skip
         ev["params_fraction"] = state.get("params", 0) / full
         ev["acted"] = ev["params_fraction"] <= 0.75
     if cell in ("tp2", "tp2_sp", "tp2_meta"):
@@ -724,7 +734,7 @@ def _evidence(cell: str, trainer: L.Trainer, module: nn.Module, numel: int, stat
     if cell in ("fusion", "all"):
         ev["graphs"] = graphs
         ev["acted"] = ev.get("acted", True) and graphs > 0
-    if cell in ("kd", "all"):
+    if cell in ("kd", "all", "kd_zero3"):
         ev["kd_loss"] = float(trainer.callback_metrics.get("distill/kd_loss", float("nan")))
         ev["acted"] = ev.get("acted", True) and math.isfinite(ev["kd_loss"])
     if cell == "augment":
