@@ -239,6 +239,7 @@ class OperatorFusion(L.Callback):
         """Switch the module to ``mode`` (undoing what an earlier trial compiled)."""
         for m in self._compiled:
             m._compiled_call_impl = None  # nn.Module.compile's handle: None restores the eager forward
+            vars(m).pop("forward", None)  # (a sharded unit's compiled forward: the class's again)
         self._compiled = []
         if mode == "regional":
             self._compiled = repeated_blocks(pl_module)
@@ -251,8 +252,16 @@ class OperatorFusion(L.Callback):
                 self._compiled = [pl_module]
         elif mode == "full":
             self._compiled = [pl_module]
+        from torch.distributed.fsdp import FSDPModule
+
         for m in self._compiled:
-            m._compiled_call_impl = _FallbackToEager(m, torch.compile(m._call_impl))
+            if isinstance(m, FSDPModule):
+                # A sharded unit (ZeRO-3): its gather/reshard hooks run in `_call_impl` and are excluded from
+                # compilation, a graph break that left the whole block eager (nn.TransformerEncoderLayer): compile
+                # its forward only, the hooks around it stay eager.
+                m.forward = _FallbackToEager(m, torch.compile(m.forward), forward=True)
+            else:
+                m._compiled_call_impl = _FallbackToEager(m, torch.compile(m._call_impl))
         self._modules_compiled += len(self._compiled)
 
     # ----------------------------------------------------------------------------------------- auto trials
@@ -339,9 +348,10 @@ class _FallbackToEager:
     switches the module back to eager for the rest of the run with a warning instead of ending the fit.
     Errors raised by the model's own code propagate unchanged."""
 
-    def __init__(self, module: nn.Module, compiled: Any) -> None:
+    def __init__(self, module: nn.Module, compiled: Any, forward: bool = False) -> None:
         self.module = module
         self.compiled = compiled
+        self.forward = forward  # compiled: the module's forward (else its whole call)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         from torch._dynamo.exc import TorchDynamoException
@@ -350,13 +360,14 @@ class _FallbackToEager:
             return self.compiled(*args, **kwargs)
         except TorchDynamoException as error:
             self.module._compiled_call_impl = None
+            vars(self.module).pop("forward", None)
             reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             warn_once(
                 f"OperatorFusion: compiling {type(self.module).__name__} failed ({type(error).__name__}: {reason}); "
                 "it runs eagerly for the rest of the run. Fix the compiler set-up or pass compile='off'.",
                 BigtrainWarning,
             )
-            return self.module._call_impl(*args, **kwargs)
+            return self.module.forward(*args, **kwargs) if self.forward else self.module._call_impl(*args, **kwargs)
 
 
 def _dynamo_counts() -> dict[str, Any]:

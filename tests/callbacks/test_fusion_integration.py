@@ -324,3 +324,35 @@ def test_attention_swap_that_keeps_its_written_math_on_cpu_is_not_reported_as_sd
     quiet = OperatorFusion("off", fused_optimizer=False)
     quiet._swap(trainer, CharGPT(block_size=16, n_layer=2, n_head=2, n_embd=32, attention="written"))  # type: ignore[arg-type]
     assert recorder.metrics == {"fusion/swaps": 2, "fusion/swap_fallbacks": 0} and quiet.fallbacks == []
+
+
+def _zero3_regional(rank: int) -> dict:
+    from benchmarks.conformance import _data as conformance_data
+    from benchmarks.conformance import _nn_transformer
+    from lightning_bigtrain.callbacks.fusion import _dynamo_counts
+    from lightning_bigtrain.strategies import ZeroStrategy
+
+    torch._dynamo.reset()
+    before = _dynamo_counts()
+    out: dict = {}
+    for fused in (False, True):
+        L.seed_everything(0, verbose=False)
+        losses = _Losses()
+        callbacks = [OperatorFusion("regional", fused_optimizer=False), losses] if fused else [losses]
+        trainer = L.Trainer(devices=2, strategy=ZeroStrategy(stage=3, min_wrap_params=10_000), max_steps=4,
+                            callbacks=callbacks, **_COMMON)  # fmt: skip
+        trainer.fit(_nn_transformer(), datamodule=conformance_data("text"))
+        out["fused" if fused else "plain"] = losses.losses
+    after = _dynamo_counts()
+    out["graphs"] = after["graphs"] - before["graphs"]
+    out["breaks"] = after["graph_breaks"] - before["graph_breaks"]
+    return out
+
+
+def test_regional_compile_of_zero3_units_compiles_their_forward():
+    """Under ZeRO-3 each block is a sharded unit whose gather and reshard hooks run in its call and are excluded
+    from compilation: compiling the whole call broke the graph there and nn.TransformerEncoderLayer ran eagerly
+    (no graph compiled). The unit's forward is compiled, its hooks stay around it; losses as without."""
+    for r in run_on_ranks(_zero3_regional, init_process_group=False):
+        assert r["graphs"] > 0 and r["breaks"] == 0, r
+        torch.testing.assert_close(torch.tensor(r["fused"]), torch.tensor(r["plain"]), rtol=1e-4, atol=0)
