@@ -319,11 +319,20 @@ def init_records(module: nn.Module) -> dict[str, _Record | None]:
 
 class _Values:
     """Computes recorded values on ``device``. A value made out of place is computed once (a draw two tensors were
-    built from stays shared): use one per submodule, so that nothing outlives it."""
+    built from stays shared): use one per submodule, so that nothing outlives it. A value several tensors copy
+    (``shared``: a deep-copied layer's, a momentum encoder copied from its online one) is kept in ``kept`` once
+    computed, across submodules, so that the copies hold the same values, as in an eager build."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        shared: dict[tuple[int, int], int] | None = None,
+        kept: dict[Any, torch.Tensor] | None = None,
+    ) -> None:
         self.device = device
         self._made: dict[int, torch.Tensor] = {}
+        self._shared = shared if shared is not None else {}  # value -> the seed it is drawn under
+        self._kept = kept if kept is not None else {}
 
     def _resolve(self, tree: Any) -> Any:
         def here(a: Any) -> Any:
@@ -342,6 +351,20 @@ class _Values:
         return self.value(a) if isinstance(a, _Ref) else a
 
     def value(self, ref: _Ref) -> torch.Tensor:
+        key = _key(ref)
+        kept = self._kept.get(key)
+        if kept is not None:
+            return kept if ref.view is None else kept.as_strided(*ref.view)
+        if key in self._shared:
+            with _seeded(self._shared[key], self.device):
+                value = self._compute(ref)
+            self._kept[key] = value
+            return value if ref.view is None else value.as_strided(*ref.view)
+        value = self._compute(ref)
+        return value if ref.view is None else value.as_strided(*ref.view)
+
+    def _compute(self, ref: _Ref) -> torch.Tensor:
+        """``ref``'s value before its view."""
         node = ref.node
         made = self._made.get(id(node))
         if made is None:
@@ -353,12 +376,53 @@ class _Values:
         if ref.ops:
             made = made.clone()
             self.replay(made, list(ref.ops))
-        return made if ref.view is None else made.as_strided(*ref.view)
+        return made
 
     def replay(self, t: torch.Tensor, ops: list[_Op]) -> None:
         for func, args, kwargs, view in ops:
             target = t if view is None else t.as_strided(*view)
             func(target, *self._resolve(args), **self._resolve(kwargs))
+
+
+def _key(ref: _Ref) -> tuple[int, int]:
+    """Which value a reference reads, before its view: the storage's making and how many in-place operations since
+    (a storage's operations are one history, so the count identifies the point in it)."""
+    return id(ref.node), len(ref.ops)
+
+
+def _shared_values(records: dict[str, _Record | None], seed: int) -> dict[tuple[int, int], int]:
+    """The values (:func:`_key`) more than one tensor is computed from (each record's own value, and every value its
+    recipe reads: a deep copy's source, a ``copy_``'s), each with the seed it is drawn under: ``seed`` folded with
+    the first name, in order, of the tensors that read it, so that it does not depend on which reads it first (a
+    pipeline stage may hold only later copies)."""
+    readers: dict[tuple[int, int], set[str]] = {}
+    seen: set[tuple[int, str]] = set()
+
+    def read(tree: Any, name: str) -> None:
+        for leaf in tree_leaves(tree, is_leaf=_is_ref):
+            if isinstance(leaf, _Ref):
+                readers.setdefault(_key(leaf), set()).add(name)
+                visit(leaf, name)
+
+    def visit(ref: _Ref, name: str) -> None:
+        if (id(ref.node), name) not in seen:
+            seen.add((id(ref.node), name))
+            read((ref.node.args, ref.node.kwargs), name)
+        for _, args, kwargs, _ in ref.ops:
+            read((args, kwargs), name)
+
+    for name, record in records.items():
+        if record is None:
+            continue
+        made, ops = record
+        if made is not None:
+            whole = _Ref(made.node, (*made.ops, *ops), None) if made.view is None else made
+            readers.setdefault(_key(whole), set()).add(name)
+            visit(whole, name)
+        else:
+            for _, args, kwargs, _ in ops:
+                read((args, kwargs), name)
+    return {key: _module_seed(seed, min(names)) for key, names in readers.items() if len(names) > 1}
 
 
 def _last_load(ops: list[_Op]) -> int | None:
@@ -562,6 +626,7 @@ def materialize_(
     *,
     within: nn.Module | None = None,
     seed: int | None = None,
+    copied: dict[Any, Any] | None = None,
 ) -> Materialized:
     """Give every meta-device parameter and buffer of ``module`` storage on ``device`` and initialize it; returns
     what could not be initialized as the model would have (:class:`Materialized`). With ``within`` (a
@@ -586,7 +651,11 @@ def materialize_(
     submodule draws from its own seed: the same distributions as an eager build, not the same draws. A sharded
     parameter is initialized whole on every rank (the same seed gives the same values) and each rank keeps its
     shard, so the values do not depend on the number of ranks or the layout, and need no random-number support from
-    DTensor (which has none on CPU). Tied weights stay tied (``to_empty`` alone unties them).
+    DTensor (which has none on CPU). Tied weights stay tied (``to_empty`` alone unties them). A value several
+    tensors copy (the layers ``copy.deepcopy`` made of one, a momentum encoder ``copy_``-ed from its online encoder)
+    is computed once, under the seed of the submodule that reads it first, and kept until the materialization ends:
+    the copies start equal, as in an eager build. Pass the same ``copied`` dict to the calls of a model
+    materialized in parts.
     """
     scope = module if within is None else within
     if not has_meta_tensors(scope):
@@ -595,6 +664,10 @@ def materialize_(
         records = init_records(module)
     if seed is None:
         seed = init_seed()
+    copied = {} if copied is None else copied
+    shared = copied.get(("shared", seed))  # (once per model materialized in parts: it reads every record)
+    if shared is None:
+        shared = copied[("shared", seed)] = _shared_values(records, seed)
     names = {id(m): name for name, m in module.named_modules()}
     slots = [(m, name) for m in scope.modules() for name, t in _own_tensors(m) if t.is_meta]
     tied = _shared_slots(scope)
@@ -622,7 +695,7 @@ def materialize_(
             with _seeded(_module_seed(seed, names.get(id(m), "")), device), _whole(near, fresh):
                 if owner is not None:
                     owner._init_weights(m)  # type: ignore[operator]
-                values = _Values(device)
+                values = _Values(device, shared, copied)
                 for name in own:
                     record = records.get(_join(names.get(id(m), ""), name))
                     if record is None:
@@ -632,8 +705,10 @@ def materialize_(
                     loaded = _last_load(ops)
                     if loaded is not None:  # values copied in after the build win, over HF's init too
                         values.replay(t, ops[loaded:])
+                    elif _unwritten(t) and made is not None and made.view is None:
+                        t.copy_(values.value(_Ref(made.node, (*made.ops, *ops), None)))
                     elif _unwritten(t):
-                        if made is not None:
+                        if made is not None:  # (a registered view of a storage: its value when registered)
                             t.copy_(values.value(made))
                         values.replay(t, ops)
                 reset = _reset_method(m)
@@ -666,7 +741,7 @@ def materialize_(
                 unwritten.append((_join(names.get(id(m), ""), name), False))
                 continue
             with _seeded(_module_seed(seed, names.get(id(m), "")), device), torch.no_grad():
-                values = _Values(device)
+                values = _Values(device, shared, copied)
                 value = values.value(made).clone()
                 values.replay(value, ops)
             holding[key] = value

@@ -420,15 +420,16 @@ class DeepSpeedZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, DeepSpeedStr
         rank holds one whole block at a time besides its partitions; the engine partitions the rest."""
         assert self.model is not None and self.root_device is not None
         records, seed = init_records(self.model), init_seed()
+        copied: dict[Any, Any] = {}  # values several tensors copy, across the units
         parts = []
         if self.stage == 3:
             import deepspeed
 
             self._init_config_if_needed()  # (zero.Init reads the batch size from it)
             for unit in auto_wrap_targets(self.model):
-                parts.append(materialize_(self.model, self.root_device, records, within=unit, seed=seed))
+                parts.append(materialize_(self.model, self.root_device, records, within=unit, seed=seed, copied=copied))
                 deepspeed.zero.Init(module=unit, remote_device=self.remote_device, config_dict_or_path=self.config)
-        parts.append(materialize_(self.model, self.root_device, records, seed=seed))
+        parts.append(materialize_(self.model, self.root_device, records, seed=seed, copied=copied))
         self._report_unwritten(Materialized.join(parts), f"DeepSpeedZeroStrategy(stage={self.stage})")
 
     @override

@@ -307,3 +307,39 @@ def test_a_modules_metrics_built_on_meta_come_back():
     assert 0 <= float(model.val_acc.compute()) <= 1
     model.val_acc.reset()
     assert torch.equal(model.val_acc.tp, torch.zeros(10, dtype=torch.long)) and model.val_acc.device.type == "cpu"
+
+
+class _Momentum(nn.Module):
+    """A momentum (target) encoder started as a copy of the online one, both ways users write it (BYOL, MoCo)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.online = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+        self.target = copy.deepcopy(self.online)
+        self.momentum = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+        with torch.no_grad():
+            for mine, theirs in zip(self.momentum.parameters(), self.online.parameters(), strict=True):
+                mine.copy_(theirs)
+        self.encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32), 3, enable_nested_tensor=False)
+
+
+def test_copies_start_equal_as_in_an_eager_build_whatever_is_materialized_first():
+    """A value several tensors copy (a deep copy's source, a ``copy_``'s) is computed once: the momentum encoders
+    start equal to the online one, and ``nn.TransformerEncoder``'s deep-copied layers equal to each other, as in an
+    eager build (each had its own draw). Drawn under a seed of the copies' first name, so materializing the later
+    copies first (a pipeline stage holding them, DeepSpeed's units in another order) gives the same values."""
+    with record_init(), torch.device("meta"):
+        whole, parts = _Momentum(), _Momentum()
+    assert materialize_(whole, torch.device("cpu"), seed=3) == ([], [], [])
+    for copied in (whole.target, whole.momentum):
+        for a, b in zip(whole.online.parameters(), copied.parameters(), strict=True):
+            assert torch.equal(a, b)
+    layers = whole.encoder.layers
+    assert torch.equal(layers[0].linear1.weight, layers[2].linear1.weight)
+    assert not torch.equal(whole.online[0].weight, whole.encoder.layers[0].linear1.weight[:, :8])
+    copied: dict = {}
+    materialize_(parts, torch.device("cpu"), seed=3, within=parts.encoder.layers[2], copied=copied)
+    materialize_(parts, torch.device("cpu"), seed=3, within=parts.momentum, copied=copied)
+    materialize_(parts, torch.device("cpu"), seed=3, copied=copied)
+    for (name, a), b in zip(whole.state_dict().items(), parts.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
