@@ -411,9 +411,11 @@ def _shared_values(records: dict[str, _Record | None], seed: int) -> dict[tuple[
         for _, args, kwargs, _ in ref.ops:
             read((args, kwargs), name)
 
+    tied: set[tuple[int, int]] = set()
     for name, record in records.items():
-        if record is None:
-            continue
+        if record is None or (id(record[0]), id(record[1])) in tied:
+            continue  # (a tied tensor's other names: one tensor, materialized once)
+        tied.add((id(record[0]), id(record[1])))
         made, ops = record
         if made is not None:
             whole = _Ref(made.node, (*made.ops, *ops), None) if made.view is None else made
