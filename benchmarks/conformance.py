@@ -464,14 +464,20 @@ class _StartWeights(L.Callback):
         self.weights: dict[str, torch.Tensor] = {}
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        params = [p for p in pl_module.parameters() if hasattr(p, "ds_tensor")]
-        gathered: Any = contextlib.nullcontext()
-        if params:
-            import deepspeed
+        self.weights = _whole_weights(pl_module)
 
-            gathered = deepspeed.zero.GatheredParameters(params)
-        with gathered:
-            self.weights = {n: _whole(t) for n, t in pl_module.state_dict(keep_vars=True).items()}
+
+def _whole_weights(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of ``module`` whole, on the CPU: DTensors gathered, DeepSpeed's stage-3
+    partitions gathered (a collective: call it on every rank)."""
+    params = [p for p in module.parameters() if hasattr(p, "ds_tensor")]
+    gathered: Any = contextlib.nullcontext()
+    if params:
+        import deepspeed
+
+        gathered = deepspeed.zero.GatheredParameters(params)
+    with gathered:
+        return {n: _whole(t) for n, t in module.state_dict(keep_vars=True).items()}
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:

@@ -287,13 +287,14 @@ def record_init() -> Iterator[None]:
             # them: each copy's tensors take over the records of the values they wrap here.
             seen: set[int] = set()
             for module in modules:
+                if id(module) in seen:
+                    continue  # (visited with an enclosing module: its whole subtree was)
                 for m in module.modules():
-                    if id(m) not in seen:
-                        seen.add(id(m))
-                        for _, t in _own_tensors(m):
-                            recorder.adopt(t)
-                        for _, holding, key in _attribute_tensors(m):
-                            recorder.adopt(holding[key])  # (a metric's states, set as plain attributes)
+                    seen.add(id(m))
+                    for _, t in _own_tensors(m):
+                        recorder.adopt(t)
+                    for _, holding, key in _attribute_tensors(m):
+                        recorder.adopt(holding[key])  # (a metric's states, set as plain attributes)
     finally:
         for hook in hooks:
             hook.remove()
@@ -384,6 +385,12 @@ class _Values:
             func(target, *self._resolve(args), **self._resolve(kwargs))
 
 
+def _value_ref(made: _Ref, ops: list[_Op]) -> _Ref:
+    """A reference to a registered tensor's value: how it was made, then its own in-place operations. (A tensor
+    registered as a view of part of a storage has none of its own: its value when registered.)"""
+    return _Ref(made.node, (*made.ops, *ops), None) if made.view is None else made
+
+
 def _key(ref: _Ref) -> tuple[int, int]:
     """Which value a reference reads, before its view: the storage's making and how many in-place operations since
     (a storage's operations are one history, so the count identifies the point in it)."""
@@ -418,7 +425,7 @@ def _shared_values(records: dict[str, _Record | None], seed: int) -> dict[tuple[
         tied.add((id(record[0]), id(record[1])))
         made, ops = record
         if made is not None:
-            whole = _Ref(made.node, (*made.ops, *ops), None) if made.view is None else made
+            whole = _value_ref(made, ops)
             readers.setdefault(_key(whole), set()).add(name)
             visit(whole, name)
         else:
@@ -655,9 +662,9 @@ def materialize_(
     shard, so the values do not depend on the number of ranks or the layout, and need no random-number support from
     DTensor (which has none on CPU). Tied weights stay tied (``to_empty`` alone unties them). A value several
     tensors copy (the layers ``copy.deepcopy`` made of one, a momentum encoder ``copy_``-ed from its online encoder)
-    is computed once, under the seed of the submodule that reads it first, and kept until the materialization ends:
-    the copies start equal, as in an eager build. Pass the same ``copied`` dict to the calls of a model
-    materialized in parts.
+    is computed once, under a seed of the copies' first name, and kept until the materialization ends: the copies
+    start equal, as in an eager build, whichever is materialized first. Pass the same ``copied`` dict to the calls
+    of a model materialized in parts.
     """
     scope = module if within is None else within
     if not has_meta_tensors(scope):
@@ -707,11 +714,9 @@ def materialize_(
                     loaded = _last_load(ops)
                     if loaded is not None:  # values copied in after the build win, over HF's init too
                         values.replay(t, ops[loaded:])
-                    elif _unwritten(t) and made is not None and made.view is None:
-                        t.copy_(values.value(_Ref(made.node, (*made.ops, *ops), None)))
+                    elif _unwritten(t) and made is not None:
+                        t.copy_(values.value(_value_ref(made, ops)))
                     elif _unwritten(t):
-                        if made is not None:  # (a registered view of a storage: its value when registered)
-                            t.copy_(values.value(made))
                         values.replay(t, ops)
                 reset = _reset_method(m)
                 if reset is not None and any(_unwritten(getattr(m, name)) for name in own):
@@ -743,10 +748,7 @@ def materialize_(
                 unwritten.append((_join(names.get(id(m), ""), name), False))
                 continue
             with _seeded(_module_seed(seed, names.get(id(m), "")), device), torch.no_grad():
-                values = _Values(device, shared, copied)
-                value = values.value(made).clone()
-                values.replay(value, ops)
-            holding[key] = value
+                holding[key] = _Values(device, shared, copied).value(_value_ref(made, ops)).clone()
     uninitialized: list[str] = []
     for m, name, t in fresh.values():
         if _unwritten(local_view(t)):

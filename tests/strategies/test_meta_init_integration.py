@@ -19,6 +19,7 @@ import lightning as L
 import pytest
 import torch
 
+from benchmarks.conformance import _whole, _whole_weights
 from lightning_bigtrain.data import ShakespeareDataModule
 from lightning_bigtrain.functional.materialize import materialize_, record_init
 from lightning_bigtrain.models import CharGPT
@@ -33,22 +34,6 @@ _COMMON = dict(accelerator="cpu", devices=2, limit_val_batches=0, logger=False, 
                enable_model_summary=False, enable_checkpointing=False)  # fmt: skip
 
 
-def _weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter and buffer whole: DTensors gathered, DeepSpeed's stage-3 partitions gathered."""
-    params = [p for p in module.parameters() if hasattr(p, "ds_tensor")]
-    if params:
-        import deepspeed
-
-        with deepspeed.zero.GatheredParameters(params):
-            return {n: t.detach().cpu().clone() for n, t in module.state_dict(keep_vars=True).items()}
-    return {n: _full(t) for n, t in module.state_dict().items()}
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    f = getattr(t, "full_tensor", None)
-    return (f() if callable(f) else t).detach().cpu().clone()
-
-
 class _Start(L.Callback):
     def __init__(self, timeline: AllocationTimeline | None = None) -> None:
         self.timeline = timeline
@@ -57,7 +42,7 @@ class _Start(L.Callback):
     def on_train_start(self, trainer, pl_module):
         if self.timeline is not None:
             self.timeline.mark("started")
-        self.weights = _weights(pl_module)
+        self.weights = _whole_weights(pl_module)
 
 
 class _InConfigureModel(L.LightningModule):
@@ -122,7 +107,7 @@ def _fit(family: str, name: str, on_meta: bool) -> tuple[dict[str, torch.Tensor]
         assert materialize_(model, torch.device("cpu")) == ([], [], [])
     trainer.fit(model, datamodule=ShakespeareDataModule(block_size=32, batch_size=8, subset=128))
     return start.weights, torch.cat(
-        [t.reshape(-1) for n, t in _weights(model).items() if n in dict(model.named_parameters())]
+        [t.reshape(-1) for n, t in _whole_weights(model).items() if n in dict(model.named_parameters())]
     )
 
 
@@ -266,7 +251,7 @@ def _resume(rank: int, folder: str) -> tuple[torch.Tensor, torch.Tensor]:
             model = CharGPT(block_size=32, n_layer=2, n_head=2, n_embd=32, warmup_steps=2)
         trainer.fit(model, datamodule=ShakespeareDataModule(block_size=32, batch_size=8, subset=256),
                     ckpt_path=ckpt_path)  # fmt: skip
-        return torch.cat([_full(p).reshape(-1) for p in model.parameters()])
+        return torch.cat([_whole(p).reshape(-1) for p in model.parameters()])
 
     whole = fit(False, None, 8)
     (checkpoint,) = glob.glob(os.path.join(folder, "*step=4.ckpt"))
