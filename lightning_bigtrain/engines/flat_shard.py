@@ -26,12 +26,12 @@ clipping by norm (``torch.nn.utils.clip_grad_norm_``) computes the true global n
 
 Limitation: an optimizer whose update depends on a parameter's shape or whole-tensor statistics
 (LAMB, Adafactor, Shampoo, Muon, ...) sees flat partitions instead; only element-wise optimizers
-are accepted (see ``ELEMENTWISE_OPTIMIZERS``).
+are accepted, and only those that can step DTensor slices: both asked of the optimizer itself at construction
+(:mod:`~lightning_bigtrain.functional.optim_probe`).
 """
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections.abc import Collection, Generator
 from contextlib import contextmanager
@@ -43,20 +43,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
+from lightning_bigtrain.functional.optim_probe import (
+    ELEMENTWISE_OPTIMIZERS,
+    dtensor_step_error,
+    rebuild_optimizer,
+    slice_step_error,
+)
 from lightning_bigtrain.functional.sharding import local_view
 
 __all__ = ["ELEMENTWISE_OPTIMIZERS", "FlatGradScaler", "FlatShardedOptimizer", "bucket_runs", "norm_parameters"]
-
-ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
-    torch.optim.SGD,
-    torch.optim.Adam,
-    torch.optim.AdamW,
-    torch.optim.Adagrad,
-    torch.optim.Adamax,
-    torch.optim.NAdam,
-    torch.optim.RAdam,
-    torch.optim.RMSprop,
-)
 
 
 def _all_gather(output: torch.Tensor, input: torch.Tensor, **kwargs: Any) -> Any:
@@ -183,12 +178,24 @@ class FlatShardedOptimizer(torch.optim.Optimizer):
             )
         if param_dtype is not None and compression is not None:
             raise ValueError("`FlatShardedOptimizer(param_dtype=...)` cannot be combined with `compression=`.")
-        if not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
+        reason = slice_step_error(optimizer)
+        if reason is not None:
+            name = type(optimizer).__name__
             names = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
+            stage3 = dtensor_step_error(optimizer, mesh) is None
             raise TypeError(
-                f"`ZeroStrategy(stage={self.stage})` cannot shard {type(optimizer).__name__}: stage {self.stage} "
-                "hands each rank a flat slice of the parameters, which is only correct for element-wise "
-                f"optimizers ({names}). Use stage=3 (per-parameter sharding) or one of these optimizers."
+                f"`ZeroStrategy(stage={self.stage})` cannot shard {name}: stage {self.stage} hands each rank a flat "
+                f"slice of the parameters, which is only correct for an element-wise optimizer, and {reason}. Use "
+                + ("stage=3 (each parameter sharded whole-shaped, as a DTensor, which it can step), " if stage3 else "")
+                + f"Lightning's DDP (whole parameters on every rank), or an element-wise optimizer ({names}, ...)."
+            )
+        failure = dtensor_step_error(optimizer, mesh, flat=True)
+        if failure is not None:
+            raise TypeError(
+                f"`ZeroStrategy(stage={self.stage})` cannot shard {type(optimizer).__name__}: stage {self.stage} hands "
+                "it its slices as DTensors (so that clipping sees the global norm and checkpoints reshard), and it "
+                f"cannot step them ({failure}). Use `DeepSpeedZeroStrategy(stage={self.stage})` (plain flat "
+                "partitions) or Lightning's DDP."
             )
         self.mesh = mesh
         self.group = mesh.get_group()
@@ -246,10 +253,8 @@ class FlatShardedOptimizer(torch.optim.Optimizer):
             self._buckets += buckets
             inner_groups.append({**hyper, "params": masters})
             self._shards.append(shards)
-        accepted = inspect.signature(type(optimizer).__init__).parameters
-        kwargs = {k: v for k, v in optimizer.defaults.items() if k in accepted}
         try:
-            self.inner = type(optimizer)(inner_groups, **kwargs)
+            self.inner = rebuild_optimizer(optimizer, inner_groups)
         except TypeError as err:
             raise TypeError(
                 f"`ZeroStrategy(stage={self.stage})` could not rebuild {type(optimizer).__name__} "

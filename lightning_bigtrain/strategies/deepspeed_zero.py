@@ -34,6 +34,7 @@ from lightning_bigtrain.functional.materialize import (
     materialize_,
     record_init,
 )
+from lightning_bigtrain.functional.optim_probe import slice_step_error
 from lightning_bigtrain.functional.sharding import auto_wrap_targets
 from lightning_bigtrain.strategies._common import RNG_KEY, ZeroCommon
 from lightning_bigtrain.strategies._compression import resolve_compression
@@ -441,6 +442,18 @@ class DeepSpeedZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, DeepSpeedStr
         import deepspeed
 
         assert self.root_device is not None
+        if optimizer is not None and not type(optimizer).__module__.startswith("deepspeed."):
+            reason = slice_step_error(optimizer)
+            if reason is not None:
+                # DeepSpeed would run it on flat fp32 partitions: torch's Adafactor there trains unfactored (silently
+                # another algorithm), Muon and LBFGS fail inside DeepSpeed's step.
+                raise TypeError(
+                    f"`DeepSpeedZeroStrategy(stage={self.stage})` cannot shard {type(optimizer).__name__}: DeepSpeed "
+                    "hands the optimizer flat partitions of many parameters (at every stage), which is only correct "
+                    f"for an element-wise optimizer, and {reason}. Use `ZeroStrategy(stage=3)` (each parameter "
+                    "sharded whole-shaped, as a DTensor; it checks at setup that the optimizer can step those), "
+                    "Lightning's DDP, or an element-wise optimizer (SGD, Adam, AdamW, ...)."
+                )
         _release_stale_deepspeed_groups()
         engine, ds_optimizer, _, _ = deepspeed.initialize(
             args=argparse.Namespace(device_rank=self._device_rank()),

@@ -40,6 +40,7 @@ from lightning_bigtrain.engines.flat_shard import FlatGradScaler, FlatShardedOpt
 from lightning_bigtrain.functional.compression import Cast, Compressor
 from lightning_bigtrain.functional.materialize import has_meta_tensors, init_records, materialize_, record_init
 from lightning_bigtrain.functional.memory import model_state_bytes
+from lightning_bigtrain.functional.optim_probe import dtensor_step_error, slice_step_error
 from lightning_bigtrain.functional.pipeline import PipelinePlan, install_pipeline_, plan_pipeline
 from lightning_bigtrain.functional.rng import seed_all_
 from lightning_bigtrain.functional.sharding import (
@@ -602,6 +603,30 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
                 f"every tensor-parallel rank): {reasons}. Split them yourself in `configure_model` "
                 "(torch.distributed.tensor.parallel.parallelize_module) if they matter.",
                 BigtrainWarning,
+            )
+
+    @override
+    def setup_optimizers(self, trainer: L.Trainer) -> None:
+        """Lightning's, then each optimizer asked whether it can step the DTensor shards this layout hands it
+        (stage 3, offloading, tensor and pipeline parallelism: torch's Adafactor and Rprop cannot; the flat engine
+        asks its own question): refused here, at setup, rather than at the first step inside DTensor."""
+        super().setup_optimizers(trainer)
+        for optimizer in self.optimizers:
+            failure = dtensor_step_error(optimizer)
+            if failure is None:
+                continue
+            name = type(optimizer).__name__
+            layout = f"stage={self.stage}"
+            for key in ("tensor_parallel", "pipeline_parallel"):
+                if getattr(self, key) > 1:
+                    layout += f", {key}={getattr(self, key)}"
+            element_wise = slice_step_error(optimizer) is None
+            raise TypeError(
+                f"`ZeroStrategy({layout})` hands {name} its parameters as DTensor shards, which {name} cannot step "
+                f"({failure}). Use "
+                + ("`DeepSpeedZeroStrategy` (plain flat partitions: it is element-wise), " if element_wise else "")
+                + "Lightning's DDP or `CompressedDDPStrategy` (whole parameters on every rank), or an optimizer that "
+                "runs on DTensors (SGD, Adam, AdamW, Muon, ...)."
             )
 
     @property

@@ -12,6 +12,36 @@ from tests.helpers.distributed import run_on_ranks
 pytestmark = pytest.mark.integration
 
 
+class Lion(torch.optim.Optimizer):
+    """Sign of an interpolated momentum (Chen et al., "Symbolic Discovery of Optimization Algorithms", 2023):
+    element-wise, and not among the optimizers the package knows by class."""
+
+    def __init__(self, params, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99)) -> None:
+        super().__init__(params, {"lr": lr, "betas": betas})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                momentum = self.state[p].setdefault("momentum", torch.zeros_like(p))
+                p.add_(torch.sign(momentum * beta1 + p.grad * (1 - beta1)), alpha=-group["lr"])
+                momentum.mul_(beta2).add_(p.grad, alpha=1 - beta2)
+
+
+class LambLike(torch.optim.Adam):
+    """An Adam subclass whose step scales each tensor's update by a trust ratio (LAMB's idea, You et al., 2020)."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                ratio = p.norm() / p.grad.norm().clamp(min=1e-6)
+                p.add_(p.grad * ratio, alpha=-group["lr"])
+
+
 def _net() -> nn.Module:
     torch.manual_seed(0)
     # 7*5+5 + 5*3 = 55 parameters: odd, so the flat group needs padding to split over 2 ranks.
@@ -28,6 +58,7 @@ def _steps(rank: int, optimizer_name: str, bucket_bytes: int = 25 * 2**20, shard
     make = {
         "adamw": lambda ps: torch.optim.AdamW(ps, lr=0.05, weight_decay=0.1),
         "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+        "lion": lambda ps: Lion(ps, lr=0.01),  # an element-wise optimizer this package does not know by name
     }[optimizer_name]
     ref_opt = make(reference.parameters())
     opt = FlatShardedOptimizer(make(sharded.parameters()), mesh, bucket_bytes, shard_gradients)
@@ -54,8 +85,11 @@ def _steps(rank: int, optimizer_name: str, bucket_bytes: int = 25 * 2**20, shard
     }
 
 
-@pytest.mark.parametrize("shard_gradients", [False, True], ids=["stage1", "stage2"])
-@pytest.mark.parametrize("optimizer_name", ["adamw", "sgd"])
+@pytest.mark.parametrize(
+    ("optimizer_name", "shard_gradients"),
+    [("adamw", False), ("adamw", True), ("sgd", False), ("sgd", True), ("lion", True)],
+    ids=["adamw-stage1", "adamw-stage2", "sgd-stage1", "sgd-stage2", "lion-stage2"],
+)
 def test_matches_the_unsharded_optimizer(optimizer_name, shard_gradients):
     results = run_on_ranks(_steps, optimizer_name, 25 * 2**20, shard_gradients)
     for r in results:
@@ -82,20 +116,33 @@ def test_many_buckets_give_the_same_updates():
         torch.testing.assert_close(r["ours"], r["ref"], rtol=1e-5, atol=1e-6)
 
 
-def _reject(rank: int) -> str:
+def _reject(rank: int) -> dict[str, str]:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2,))
-    try:
-        FlatShardedOptimizer(torch.optim.LBFGS(_net().parameters()), mesh)
-    except TypeError as err:
-        return str(err)
-    return ""
+    messages = {}
+    for make in (torch.optim.LBFGS, torch.optim.Adafactor, torch.optim.Rprop, LambLike):
+        try:
+            FlatShardedOptimizer(make(_net().parameters()), mesh)
+        except TypeError as err:
+            messages[make.__name__] = str(err)
+    return messages
 
 
-def test_rejects_optimizers_that_are_not_elementwise():
-    message = run_on_ranks(_reject)[0]
-    assert "cannot shard LBFGS" in message and "Use stage=3 (per-parameter sharding)" in message
+def test_rejects_optimizers_that_are_not_elementwise_or_cannot_step_dtensor_slices():
+    messages = run_on_ranks(_reject)[0]
+    # Not element-wise; stage 3 suggested only where the optimizer can step DTensor shards (LBFGS can, torch's
+    # Adafactor cannot).
+    assert (
+        "cannot shard LBFGS" in messages["LBFGS"]
+        and "updates a parameter's flat slices differently" in messages["LBFGS"]
+    )
+    assert "Use stage=3" in messages["LBFGS"]
+    assert "cannot shard Adafactor" in messages["Adafactor"] and "Use stage=3" not in messages["Adafactor"]
+    # A subclass of Adam that overrides the step with a per-tensor trust ratio is not taken by its class.
+    assert "cannot shard LambLike" in messages["LambLike"]
+    # Element-wise, but torch's Rprop cannot step DTensor slices: DeepSpeed's plain partitions suggested.
+    assert "cannot step them" in messages["Rprop"] and "DeepSpeedZeroStrategy(stage=1)" in messages["Rprop"]
 
 
 def _fp16_overflow(rank: int, shard_gradients: bool) -> dict:
