@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import gc
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +28,7 @@ from lightning_bigtrain.strategies._compression import (
     resolve_compression,
 )
 from lightning_bigtrain.strategies._fault import FaultTolerantStrategyMixin
+from lightning_bigtrain.strategies._trainable import TrainableWatch
 from lightning_bigtrain.warnings import NoEffectWarning, warn_once
 
 if TYPE_CHECKING:
@@ -75,7 +77,9 @@ class CompressedDDPStrategy(FaultTolerantStrategyMixin, DDPStrategy):
     ranks keep the faster (dense unless PowerSGD is clearly faster); the choice is logged
     (``compression/auto_choice``: the candidate's index) and checkpointed.
 
-    Acts in: ``configure_ddp`` (hook registration), ``optimizer_step`` (step count, logging),
+    Acts in: ``configure_ddp`` (hook registration), ``on_train_batch_start`` (DDP rebuilt when parameters changed
+    ``requires_grad`` since it was built, e.g. a backbone unfrozen by ``BackboneFinetuning``: Lightning's DDP trains
+    such a parameter unreduced, each rank on its own data), ``optimizer_step`` (step count, logging),
     ``save_checkpoint`` / ``load_checkpoint`` (compression state), ``teardown``.
 
     With ``compression=OneBitAdam(...)`` it is 1-bit Adam instead (Tang et al., 2021;
@@ -132,6 +136,7 @@ class CompressedDDPStrategy(FaultTolerantStrategyMixin, DDPStrategy):
             compression = OneBitAdam()
         self.momentum = compression if isinstance(compression, OneBitAdam) else None
         self._optimizer_ref: list[CompressedMomentumAdam | None] = [None]
+        self._trainable: TrainableWatch | None = None  # fitting: requires_grad as when DDP was built
         compressor = resolve_compression(
             compression.compressor if isinstance(compression, OneBitAdam) else compression, "CompressedDDPStrategy"
         )
@@ -223,6 +228,8 @@ class CompressedDDPStrategy(FaultTolerantStrategyMixin, DDPStrategy):
     @override
     def setup(self, trainer: L.Trainer) -> None:
         super().setup(trainer)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        self._trainable = TrainableWatch(self.lightning_module) if fitting else None
         engine = self._support.engine
         if self.momentum is None or engine is None or trainer.state.fn != TrainerFn.FITTING:
             return
@@ -262,6 +269,37 @@ class CompressedDDPStrategy(FaultTolerantStrategyMixin, DDPStrategy):
                 config.scheduler.optimizer = wrapped
         self.optimizers = [wrapped]
         self._optimizer_ref[0] = wrapped
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self._trainable is not None and self._trainable.describe():
+            self._rebuild_ddp()
+        super().on_train_batch_start(batch, batch_idx)
+
+    def _rebuild_ddp(self) -> None:
+        """Some parameters changed ``requires_grad`` since DDP was built (a fine-tuning callback unfroze a backbone):
+        DDP's reducer all-reduces the parameters trainable when it was built, so an unfrozen one would be trained by
+        each rank on its own data and the replicas would drift apart (as under Lightning's DDP, issue 20340), and a
+        frozen one would leave the reducer waiting. Build DDP again over the trainable parameters now, with the same
+        exchange: the compression engine keys its state by parameter name and is kept (error feedback, factors,
+        step count)."""
+        assert self._trainable is not None and isinstance(self.model, DistributedDataParallel)
+        change = self._trainable.describe()
+        if self.momentum is not None:
+            raise RuntimeError(
+                f"`CompressedDDPStrategy(compression=OneBitAdam(...))`: since setup, {change}. 1-bit Adam's compressed "
+                "momentum is laid out over the parameters trainable at setup. Keep the parameters trainable and "
+                "hold them still with a learning rate of 0 in a group of their own, or use a gradient compressor."
+            )
+        module = self.model.module
+        self.model = None  # the old reducer's autograd hooks go with it
+        gc.collect()
+        self.model = self._setup_model(module)
+        engine = self._support.engine
+        if engine is not None:
+            self.model.register_comm_hook(engine, _compressed_hook)
+        self._trainable = TrainableWatch(self.lightning_module)
+        rank_zero_info(f"CompressedDDPStrategy: {change}; DDP rebuilt over the trainable parameters.")
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:

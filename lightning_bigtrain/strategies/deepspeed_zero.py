@@ -40,6 +40,7 @@ from lightning_bigtrain.strategies._common import RNG_KEY, ZeroCommon
 from lightning_bigtrain.strategies._compression import resolve_compression
 from lightning_bigtrain.strategies._fault import FaultTolerantStrategyMixin
 from lightning_bigtrain.strategies._layouts import saved_layout_kind
+from lightning_bigtrain.strategies._trainable import TrainableWatch
 from lightning_bigtrain.strategies.options import (
     DeepSpeedOptions,
     ZeroOptions,
@@ -305,6 +306,7 @@ class DeepSpeedZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, DeepSpeedStr
         self.deepspeed_options = ds
         self._rng_seed: int | None = None
         self.memory: dict[str, int] = {}
+        self._trainable: TrainableWatch | None = None  # fitting: requires_grad as at setup
         self._backwards_since_step = 0
         self._manual_clip: float | None = None  # manual optimization: `clip_gradients` for the next engine step
         self._init_fault_tolerance()
@@ -389,6 +391,20 @@ class DeepSpeedZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, DeepSpeedStr
         if has_meta_tensors(self.model):
             self._materialize()
         super().setup(trainer)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        self._trainable = TrainableWatch(self.lightning_module) if fitting else None
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self._trainable is not None and self._trainable.describe():
+            raise RuntimeError(
+                f"`DeepSpeedZeroStrategy(stage={self.stage})`: since setup, {self._trainable.describe()}. DeepSpeed "
+                "laid the optimizer out in flat partitions of the parameters trainable at setup, so a parameter "
+                "unfrozen later would never be trained and one frozen later would keep moving (momentum, weight "
+                "decay). Use `ZeroStrategy(stage=3)` (sharded per parameter: it follows `requires_grad`), or keep "
+                "the parameters trainable and hold them still with a learning rate of 0 in a group of their own."
+            )
+        super().on_train_batch_start(batch, batch_idx)
 
     @override
     @contextmanager

@@ -79,6 +79,7 @@ from lightning_bigtrain.strategies._layouts import (
     saved_layout_kind,
 )
 from lightning_bigtrain.strategies._pipeline import PipelineRunner
+from lightning_bigtrain.strategies._trainable import TrainableWatch
 from lightning_bigtrain.strategies.options import (
     DeepSpeedOptions,
     PipelineOptions,
@@ -267,6 +268,7 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         self._compression = CompressionSupport(compressor) if compressor is not None and compressed_flat else None
         self._rng_seed: int | None = None
         self._swapped_attention: list[str] = []  # the blocks' attention swapped on meta, before the split
+        self._trainable: TrainableWatch | None = None  # stages 1-2 fitting: requires_grad as at setup
         self._fsdp_comm: CommCounter | None = None
         self._logged_comm_bytes = 0
         self.memory: dict[str, int] = {}
@@ -352,7 +354,7 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
                 f"`ZeroStrategy(stage={self.stage})` got a model without trainable parameters "
                 f"({type(module).__name__}): there is nothing to shard or train."
             )
-        from lightning.pytorch.callbacks import StochasticWeightAveraging
+        from lightning.pytorch.callbacks import BaseFinetuning, StochasticWeightAveraging
 
         if not self._flat_engine and any(
             isinstance(c, StochasticWeightAveraging) for c in getattr(trainer, "callbacks", [])
@@ -364,6 +366,16 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
                 "of the whole module, which this layout keeps sharded (stage 3, offloading, tensor or pipeline "
                 "parallelism). Use stage 1 or 2 (parameters replicated; averaging works there), or average "
                 "consolidated checkpoints afterwards (`bigtrain consolidate`, `torch.optim.swa_utils`)."
+            )
+        finetuning = [c for c in getattr(trainer, "callbacks", []) if isinstance(c, BaseFinetuning)]
+        if self._flat_engine and finetuning:
+            # It maps the optimizer's parameters to the module's by identity (and failed on a KeyError there), and
+            # unfreezes parameters the flat partitions, laid out over the trainable ones at setup, do not hold.
+            raise ValueError(
+                f"`{type(finetuning[0]).__name__}` under `ZeroStrategy(stage={self.stage})`: it unfreezes parameters "
+                f"during the run and adds them to the optimizer, and stage {self.stage} lays the optimizer out at "
+                "setup in flat partitions of the parameters trainable then. Use stage=3 (sharded per parameter: "
+                "unfreezing works, the replicas stay identical)."
             )
         self._fix_host_allocator(self.root_device.type == "cpu" or self.offload_optimizer)
         self._rng_seed = torch.initial_seed()  # replaced by the checkpoint's on resume
@@ -678,6 +690,7 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
                         config.scheduler.optimizer = flat
                 wrapped.append(flat)
             self.optimizers = wrapped
+            self._trainable = TrainableWatch(self.lightning_module)
             plugin = self.precision_plugin
             sixteen = param_dtype == torch.float16 or (engine is not None and self.stage == 2)
             if sixteen and isinstance(plugin, MixedPrecision) and plugin.scaler is not None:
@@ -831,6 +844,14 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self._async_commits.poll(self.is_global_zero)
+        if self._trainable is not None and self._flat_engine and self._trainable.describe():
+            raise RuntimeError(
+                f"`ZeroStrategy(stage={self.stage})`: since setup, {self._trainable.describe()}. Stage "
+                f"{self.stage} laid the optimizer out in flat partitions of the parameters trainable at setup, so a "
+                "parameter unfrozen later would never be trained and one frozen later would keep moving (momentum, "
+                "weight decay). Use stage=3 (sharded per parameter: it follows `requires_grad`), or keep the "
+                "parameters trainable and hold them still with a learning rate of 0 in a group of their own."
+            )
         super().on_train_batch_start(batch, batch_idx)
 
     @override
