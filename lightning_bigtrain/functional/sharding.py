@@ -17,6 +17,7 @@ __all__ = [
     "is_fully_sharded",
     "is_replica",
     "local_view",
+    "shard_like_",
     "shard_module_",
 ]
 
@@ -152,6 +153,49 @@ def shard_module_(
     if async_prefetch and len(units) > 1:
         _prefetch_neighbours(module, units)
     return module
+
+
+def shard_like_(copy: nn.Module, reference: nn.Module) -> int:
+    """Lay each parameter of ``copy`` out as the parameter of the same name in ``reference``: where that one is a
+    DTensor shard, ``copy``'s becomes a DTensor on the same mesh and placements holding a clone of this rank's part of
+    ``reference``'s values (so ``copy`` holds 1/N of itself per rank, and element-wise arithmetic between the two runs
+    locally). Parameters stay frozen or trainable as they were; tied parameters stay tied. ``copy`` must have
+    ``reference``'s parameter names (a ``deepcopy`` of it, made before it was sharded). Returns how many were laid
+    out; buffers are left alone (FSDP2 keeps them whole).
+
+    For the copies a callback keeps of the module (Lightning's ``WeightAveraging``: an exponential moving average),
+    which would otherwise stay whole on every rank and meet the sharded module's DTensors in mixed arithmetic.
+
+    Raises:
+        ValueError: ``copy`` has a parameter ``reference`` does not (their structures differ).
+    """
+    from torch.distributed.tensor import DTensor
+
+    ours = dict(reference.named_parameters(remove_duplicate=False))
+    made: dict[int, nn.Parameter] = {}
+    count = 0
+    for name, param in list(copy.named_parameters(remove_duplicate=False)):
+        target = ours.get(name)
+        if target is None:
+            raise ValueError(f"shard_like_: the copy's parameter `{name}` is not in the reference module")
+        if not isinstance(target, DTensor):
+            continue
+        new = made.get(id(param))
+        if new is None:
+            local = target.to_local().detach().clone()
+            value = DTensor.from_local(
+                local,
+                target.device_mesh,
+                target.placements,
+                run_check=False,
+                shape=target.shape,
+                stride=target.stride(),
+            )
+            new = made[id(param)] = nn.Parameter(value, requires_grad=param.requires_grad)
+            count += 1
+        owner, _, leaf = name.rpartition(".")
+        setattr(copy.get_submodule(owner) if owner else copy, leaf, new)
+    return count
 
 
 def regather_root_in_step_(root: nn.Module) -> list[Any]:

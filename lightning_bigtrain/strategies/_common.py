@@ -187,3 +187,13 @@ class ZeroCommon(StrategyMixinBase):
 def _listed(names: list[str], most: int = 8) -> str:
     shown = ", ".join(f"`{n}`" for n in names[:most])
     return shown + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
+def weight_averaging_callbacks(trainer: Any) -> list[Any]:
+    """Lightning's ``WeightAveraging`` callbacks (an EMA of the module) that made their average for this fit."""
+    try:
+        from lightning.pytorch.callbacks import WeightAveraging
+    except ImportError:  # Lightning before 2.6
+        return []
+    found = [c for c in getattr(trainer, "callbacks", []) if isinstance(c, WeightAveraging)]
+    return [c for c in found if getattr(c, "_average_model", None) is not None]

@@ -36,7 +36,7 @@ from lightning_bigtrain.functional.materialize import (
 )
 from lightning_bigtrain.functional.optim_probe import slice_step_error
 from lightning_bigtrain.functional.sharding import auto_wrap_targets
-from lightning_bigtrain.strategies._common import RNG_KEY, ZeroCommon
+from lightning_bigtrain.strategies._common import RNG_KEY, ZeroCommon, weight_averaging_callbacks
 from lightning_bigtrain.strategies._compression import resolve_compression
 from lightning_bigtrain.strategies._fault import FaultTolerantStrategyMixin
 from lightning_bigtrain.strategies._layouts import saved_layout_kind
@@ -179,6 +179,9 @@ def deepspeed_state_bytes(engine: Any) -> dict[str, int]:
     out["grads"] = count([p.grad for p in params if p.grad is not None] + held)
     out["total"] = out["params"] + out["grads"] + out["optimizer"]
     return out
+
+
+_AVERAGE_KEY = "bigtrain_weight_average"  # WeightAveraging's average, kept in DeepSpeed's client state
 
 
 class DeepSpeedZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, DeepSpeedStrategy):
@@ -382,6 +385,15 @@ class DeepSpeedZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, DeepSpeedStr
             self.config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
             if offload_params:
                 self.config["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": True}
+        averaged = weight_averaging_callbacks(trainer)
+        if averaged and self.stage == 3:
+            # Its whole copy of the module met DeepSpeed's partitioned parameters (empty outside a gather) at the
+            # first update: "The size of tensor a (512) must match the size of tensor b (0)".
+            raise ValueError(
+                f"`{type(averaged[0]).__name__}` under `DeepSpeedZeroStrategy(stage=3)`: it averages the module's "
+                "parameters into a whole copy, and stage 3 holds each parameter partitioned. Use `ZeroStrategy("
+                "stage=3)` (it keeps the average sharded like the module), or DeepSpeed's stage 1 or 2."
+            )
         self._fix_host_allocator(on_cpu or offload)
         self._rng_seed = torch.initial_seed()  # replaced by the checkpoint's on resume
         if type(self.precision_plugin) is DeepSpeedPrecision:
@@ -555,6 +567,12 @@ class DeepSpeedZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, DeepSpeedStr
         """DeepSpeed's folder, written under a temporary name and committed by rank 0 (``filepath`` becomes a
         link)."""
         checkpoint[RNG_KEY] = self._rng_state()
+        if "current_model_state" in checkpoint and "state_dict" in checkpoint:
+            # WeightAveraging put its average in `state_dict` (which DeepSpeed's save drops: the engine writes the
+            # module, holding its own weights) and those weights again in `current_model_state`: keep the average
+            # instead (it was lost, and resuming failed on a KeyError in the callback).
+            checkpoint[_AVERAGE_KEY] = checkpoint["state_dict"]
+            del checkpoint["current_model_state"]
         save = super().save_checkpoint
         atomic_folder_save(self, filepath, lambda staging: save(checkpoint, staging, storage_options))
 
@@ -575,6 +593,11 @@ class DeepSpeedZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, DeepSpeedStr
         else:
             checkpoint = super().load_checkpoint(location, weights_only)
         self._restore_rng_state(checkpoint)
+        average = checkpoint.pop(_AVERAGE_KEY, None)
+        if average is not None and module is not None:
+            # As WeightAveraging.on_load_checkpoint reads them: the average, and the module's own weights (loaded).
+            checkpoint["state_dict"] = average
+            checkpoint["current_model_state"] = {k: v.detach().clone() for k, v in module.state_dict().items()}
         return checkpoint
 
     def _load_weights_to_evaluate(self, location: str) -> dict[str, Any]:

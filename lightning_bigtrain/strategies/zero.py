@@ -49,6 +49,7 @@ from lightning_bigtrain.functional.sharding import (
     count_comm_,
     is_fully_sharded,
     regather_root_in_step_,
+    shard_like_,
     shard_module_,
 )
 from lightning_bigtrain.functional.tensor_parallel import (
@@ -60,7 +61,7 @@ from lightning_bigtrain.functional.tensor_parallel import (
     split_grads_,
     swap_block_attention_,
 )
-from lightning_bigtrain.strategies._common import RNG_KEY, ZeroCommon
+from lightning_bigtrain.strategies._common import RNG_KEY, ZeroCommon, weight_averaging_callbacks
 from lightning_bigtrain.strategies._compression import (
     CHECKPOINT_KEY,
     CompressionSupport,
@@ -269,6 +270,7 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         self._rng_seed: int | None = None
         self._swapped_attention: list[str] = []  # the blocks' attention swapped on meta, before the split
         self._trainable: TrainableWatch | None = None  # stages 1-2 fitting: requires_grad as at setup
+        self._averaged: list[Any] = []  # Lightning's WeightAveraging callbacks holding an average of the module
         self._fsdp_comm: CommCounter | None = None
         self._logged_comm_bytes = 0
         self.memory: dict[str, int] = {}
@@ -367,6 +369,21 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
                 "parallelism). Use stage 1 or 2 (parameters replicated; averaging works there), or average "
                 "consolidated checkpoints afterwards (`bigtrain consolidate`, `torch.optim.swa_utils`)."
             )
+        self._averaged = weight_averaging_callbacks(trainer)
+        if self._averaged and (self.tensor_parallel > 1 or self.pipeline_parallel > 1):
+            raise ValueError(
+                f"`{type(self._averaged[0]).__name__}` under `ZeroStrategy(tensor_parallel={self.tensor_parallel}, "
+                f"pipeline_parallel={self.pipeline_parallel})`: its average is a copy of the module as it was built, "
+                "and these layouts split or cut the module at setup, so the copy no longer matches it parameter for "
+                "parameter. Use stage 1, 2 or 3 without them (stage 3 keeps the average sharded like the module)."
+            )
+        for callback in self._averaged:
+            device = getattr(callback, "_device", None)
+            if device is not None and torch.device(device) != self.root_device and not self._flat_engine:
+                raise ValueError(
+                    f"`{type(callback).__name__}(device={device!r})` under `ZeroStrategy(stage={self.stage})`: the "
+                    "average is kept sharded like the module, on its device. Leave `device` unset."
+                )
         finetuning = [c for c in getattr(trainer, "callbacks", []) if isinstance(c, BaseFinetuning)]
         if self._flat_engine and finetuning:
             # It maps the optimizer's parameters to the module's by identity (and failed on a KeyError there), and
@@ -417,6 +434,11 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
                     async_prefetch=self.root_device.type == "cpu",
                 )
         self._materialize(records)  # a meta model: this rank's shards only, initialized as the whole model would be
+        for callback in self._averaged:
+            # Lightning's WeightAveraging keeps a whole copy of the module (made before sharding): shard it like the
+            # module, so the average costs 1/N per rank and its updates run on local shards (whole, it failed at the
+            # first update on "mixed torch.Tensor and DTensor").
+            shard_like_(callback._average_model.module, module)
         self._sharded_root = is_fully_sharded(self.model)  # read by every step (_step): computed once here
         for handle in self._root_hooks:
             handle.remove()
@@ -829,11 +851,9 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
             fs = fsspec.url_to_fs(staging)[0]
             fs.makedirs(staging, exist_ok=True)
             with fsspec.open(f"{staging.rstrip('/')}/{_METADATA_FILENAME}", "wb") as f:
-                torch.save({k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}, f)
+                torch.save({k: v for k, v in checkpoint.items() if not _sharded_entry(k, v)}, f)
         self.barrier()
-        shards = {"state_dict": checkpoint.pop("state_dict")}
-        for i, optimizer_state in enumerate(checkpoint.pop("optimizer_states", [])):
-            shards[f"optimizer_{i}"] = optimizer_state
+        shards = _pop_shards(checkpoint)
         writer_cls = FsspecWriter if _is_url(staging) else dcp.FileSystemWriter
         writer = _background(writer_cls)(staging)
         if self._checkpoint_group is None:
@@ -866,17 +886,21 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
             super().remove_checkpoint(filepath)
 
     def _save_shards(self, checkpoint: dict[str, Any], location: str) -> None:
-        if not _is_url(location):
-            return super().save_checkpoint(checkpoint, location)
+        """Lightning's sharded layout (the DCP keys ``state_dict``, ``optimizer_<i>``; the rest in ``meta.pt`` by
+        rank 0), local or at a URL; plus any other entry holding DTensors (``current_model_state``, where
+        ``WeightAveraging`` puts the module's own weights when it saves the average as ``state_dict``): saved sharded
+        too, rather than rank 0's shards alone pickled into ``meta.pt``."""
         import fsspec
         import torch.distributed.checkpoint as dcp
 
-        shards = {"state_dict": checkpoint.pop("state_dict")}
-        for i, optimizer_state in enumerate(checkpoint.pop("optimizer_states", [])):
-            shards[f"optimizer_{i}"] = optimizer_state
+        shards = _pop_shards(checkpoint)
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
-        dcp.save(shards, storage_writer=FsspecWriter(location))
+        if _is_url(location):
+            dcp.save(shards, storage_writer=FsspecWriter(location))
+        else:
+            Path(location).mkdir(parents=True, exist_ok=True)
+            dcp.save(shards, storage_writer=dcp.FileSystemWriter(location))
         if self.global_rank == 0:
             with fsspec.open(f"{location.rstrip('/')}/{_METADATA_FILENAME}", "wb") as f:
                 torch.save(checkpoint, f)
@@ -904,7 +928,8 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
                 "(`bigtrain consolidate`) and load them into the module before `fit`."
             )
         if kind == "named" and not self._flat_engine and not _is_url(location) and not packed and not pipelined:
-            return super().load_checkpoint(location, weights_only=weights_only)
+            checkpoint = super().load_checkpoint(location, weights_only=weights_only)
+            return self._with_current_model_state(checkpoint, location)
         if pipelined and not Path(location).is_dir() and not _is_url(location):
             raise ValueError(
                 f"`ZeroStrategy(pipeline_parallel={self.pipeline_parallel})` cannot resume from the single file "
@@ -952,6 +977,11 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
         reader = FsspecReader(location) if _is_url(location) else dcp.FileSystemReader(location)
+        saved_keys = {key.split(".", 1)[0] for key in reader.read_metadata().state_dict_metadata}
+        if "current_model_state" in saved_keys and not packed and not pipelined:
+            # WeightAveraging's: the module's own weights (the average is `state_dict`), laid out as the module's, in
+            # tensors of their own (the model state dict's are the parameters, which the average is loaded into).
+            state["current_model_state"] = _detached_copy(get_model_state_dict(self.model))
         # Packed projections load through views in their saved order, in place into the targets (whole tensors of
         # a swapped attention are copied back into its q/k/v).
         saved = {k: self._saved_layout(v) for k, v in state.items()}
@@ -973,7 +1003,31 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
             else:
                 set_optimizer_state_dict(self.model, optimizer, state[f"optimizer_{i}"])
         with fsspec.open(f"{location.rstrip('/')}/{_METADATA_FILENAME}", "rb") as f:
-            return torch.load(f, weights_only=bool(weights_only))
+            checkpoint = torch.load(f, weights_only=bool(weights_only))
+        if "current_model_state" in state:
+            checkpoint["current_model_state"] = state["current_model_state"]
+        if "current_model_state" in checkpoint:
+            # For WeightAveraging.on_load_checkpoint: the average (`state_dict`, loaded into the module above) and
+            # the module's own weights (sharded, or whole in meta.pt at stages 1-2), which it loads into the module.
+            checkpoint["state_dict"] = state["state_dict"]
+        return checkpoint
+
+    def _with_current_model_state(self, checkpoint: dict[str, Any], location: str) -> dict[str, Any]:
+        """After Lightning's load of a sharded folder (weights and optimizer states into the module, the rest from
+        ``meta.pt``): a ``WeightAveraging`` checkpoint's ``current_model_state`` read too (saved sharded here), and the
+        average the module now holds as ``state_dict``, for the callback's ``on_load_checkpoint``."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        assert self.model is not None
+        reader = dcp.FileSystemReader(location)
+        if not any(key.startswith("current_model_state.") for key in reader.read_metadata().state_dict_metadata):
+            return checkpoint
+        current = {"current_model_state": _detached_copy(get_model_state_dict(self.model))}
+        dcp.load(current, storage_reader=reader)
+        checkpoint["current_model_state"] = current["current_model_state"]
+        checkpoint["state_dict"] = get_model_state_dict(self.model)
+        return checkpoint
 
     def _load_converted(self, location: str, kind: str) -> dict[str, Any]:
         """Resume a checkpoint written in another optimizer-state layout (:mod:`._layouts`): a plain Lightning file
@@ -1292,6 +1346,30 @@ class _FullWeightsLauncher(_MultiProcessingLauncher):
             weights_path = os.path.join(tempfile.mkdtemp(), ".temp.ckpt")
             self._strategy.checkpoint_io.save_checkpoint(state_dict, weights_path)
         return _WorkerOutput(best_model_path, weights_path, trainer.state, results, self.get_extra_results(trainer))
+
+
+def _detached_copy(state: dict[str, Any]) -> dict[str, Any]:
+    """A state dict's tensors copied (DTensors keep their layout): targets to load into that are not the module's."""
+    return {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+
+
+def _sharded_entry(key: str, value: Any) -> bool:
+    """Whether a checkpoint entry is saved through DCP: the weights, the optimizer states, and any other dict holding
+    DTensors (a callback's copy of the module's state)."""
+    if key in ("state_dict", "optimizer_states"):
+        return True
+    return isinstance(value, dict) and any(hasattr(v, "device_mesh") for v in value.values())
+
+
+def _pop_shards(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """The DCP part of ``checkpoint``, taken out of it: ``state_dict``, ``optimizer_<i>``, and DTensor-holding entries
+    under their own keys."""
+    shards = {"state_dict": checkpoint.pop("state_dict")}
+    for i, optimizer_state in enumerate(checkpoint.pop("optimizer_states", [])):
+        shards[f"optimizer_{i}"] = optimizer_state
+    for key in [k for k, v in checkpoint.items() if _sharded_entry(k, v)]:
+        shards[key] = checkpoint.pop(key)
+    return shards
 
 
 def _check_sequence_parallel(sequence: Any, tensor_parallel: int, pipeline_parallel: int) -> None:
