@@ -273,9 +273,20 @@ class FlatShardedOptimizer(torch.optim.Optimizer):
                 group["params"] = shards
         self._queued = False
         self._reset_pending()
-        for b in self._buckets:
-            for i, p in enumerate(b.params):
-                p.register_post_accumulate_grad_hook(lambda param, b=b, i=i: self._on_grad_ready(b, i, param))
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(lambda param, b=b, i=i: self._on_grad_ready(b, i, param))
+            for b in self._buckets
+            for i, p in enumerate(b.params)
+        ]
+
+    def remove_hooks(self) -> None:
+        """Detach from the parameters (their post-accumulate-grad hooks): when the run that built this engine ends.
+        A second engine over the same module (``trainer.fit`` again, after ``lr_find``, or another Trainer) would
+        otherwise run behind this one's hooks: at stage 2 they took each gradient first and the new engine failed
+        on an assertion at the first backward; at stage 1 every gradient was reduced twice."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
 
     def _reset_pending(self) -> None:
         for b in self._buckets:

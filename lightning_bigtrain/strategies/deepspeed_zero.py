@@ -385,6 +385,16 @@ class DeepSpeedZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, DeepSpeedStr
             self.config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
             if offload_params:
                 self.config["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": True}
+        from lightning.pytorch.callbacks import LearningRateFinder
+
+        if any(isinstance(c, LearningRateFinder) for c in getattr(trainer, "callbacks", [])):
+            # It failed inside Lightning's finder: "DeepSpeedZeroOptimizer is not an Optimizer".
+            raise ValueError(
+                f"Lightning's learning-rate finder (`Tuner.lr_find`, `LearningRateFinder`) under "
+                f"`DeepSpeedZeroStrategy(stage={self.stage})`: it drives the optimizer with a torch LR scheduler, and "
+                "DeepSpeed's optimizer is not a torch optimizer. Find the rate under `ZeroStrategy(stage="
+                f"{self.stage})` or DDP (the same optimizer and data), then train here with it."
+            )
         averaged = weight_averaging_callbacks(trainer)
         if averaged and self.stage == 3:
             # Its whole copy of the module met DeepSpeed's partitioned parameters (empty outside a gather) at the

@@ -927,6 +927,8 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
                 "(DeepSpeedZeroStrategy). Resume it with DeepSpeedZeroStrategy, or write its weights as one file "
                 "(`bigtrain consolidate`) and load them into the module before `fit`."
             )
+        if kind in ("flat", "named"):
+            self._drop_unsaved_group_keys(location)
         if kind == "named" and not self._flat_engine and not _is_url(location) and not packed and not pipelined:
             checkpoint = super().load_checkpoint(location, weights_only=weights_only)
             return self._with_current_model_state(checkpoint, location)
@@ -1012,6 +1014,25 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
             checkpoint["state_dict"] = state["state_dict"]
         return checkpoint
 
+    def _drop_unsaved_group_keys(self, location: str) -> None:
+        """Hyper-parameters the optimizers' groups hold now but the checkpoint did not save are dropped before loading
+        (the loaded groups replace them anyway, as a plain ``Optimizer.load_state_dict`` does): torch's checkpoint
+        reader asks for every key of the target. Lightning's learning-rate finder saves the model, then installs a
+        scheduler (which adds ``initial_lr`` to each group) and restores: the restore failed on "Missing key in
+        checkpoint state_dict: optimizer_0.param_groups.0.initial_lr"."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+        reader = FsspecReader(location) if _is_url(location) else dcp.FileSystemReader(location)
+        saved = set(reader.read_metadata().state_dict_metadata)
+        for i, optimizer in enumerate(self.optimizers):
+            for j, group in enumerate(optimizer.param_groups):
+                prefix = f"optimizer_{i}.param_groups.{j}."
+                if not any(key.startswith(prefix) for key in saved):
+                    continue  # no groups saved (weights only): nothing is read into them
+                for key in [k for k in group if k != "params" and prefix + k not in saved]:
+                    del group[key]
+
     def _with_current_model_state(self, checkpoint: dict[str, Any], location: str) -> dict[str, Any]:
         """After Lightning's load of a sharded folder (weights and optimizer states into the module, the rest from
         ``meta.pt``): a ``WeightAveraging`` checkpoint's ``current_model_state`` read too (saved sharded here), and the
@@ -1084,6 +1105,10 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         for handle in self._root_hooks:
             handle.remove()
         self._root_hooks = []
+        for optimizer in self.optimizers:
+            flat = getattr(optimizer, "_optimizer", optimizer)
+            if isinstance(flat, FlatShardedOptimizer):
+                flat.remove_hooks()
         super().teardown()
 
     @override
