@@ -42,6 +42,7 @@ __all__ = [
     "_parse_num_batches",
     "_update_dataloader",
     "drop_fit_dataloaders",
+    "combined_mode",
     "fit_combined_loader",
     "forward_redirection",
     "rewrap_ddp",
@@ -72,6 +73,11 @@ def drop_fit_dataloaders(trainer: Any) -> bool:
 def fit_combined_loader(trainer: Any) -> Any:
     """The fit loop's ``CombinedLoader`` of training dataloaders, or None before it is built."""
     return getattr(trainer.fit_loop, "_combined_loader", None)
+
+
+def combined_mode(combined: Any) -> str:
+    """A ``CombinedLoader``'s mode (``"max_size_cycle"``, ``"max_size"``, ``"min_size"``, ``"sequential"``)."""
+    return str(getattr(combined, "_mode", "max_size_cycle"))
 
 
 def rewrap_ddp(strategy: Any) -> None:

@@ -164,6 +164,27 @@ def _batches_consumed(trainer: Any) -> int:
     return int(trainer.fit_loop.epoch_loop.batch_progress.current.processed)
 
 
+def _pass_batches(trainer: Any, loader: object) -> int:
+    """Batches of ``loader``'s current pass the fit loop has consumed: the epoch's count, except for a loader of
+    several in a ``CombinedLoader`` that runs out before the epoch ends: in ``"max_size_cycle"`` (Lightning's
+    default for training) a shorter loader starts again from the beginning of its order each time it runs out, in
+    ``"max_size"`` it stops. Counted from the epoch's count, its count modulo the loader's length (a resumed pass is
+    a whole one: its length counts the batches consumed before the checkpoint), or capped by it."""
+    from lightning_bigtrain._compat import combined_mode, fit_combined_loader
+
+    processed = _batches_consumed(trainer)
+    combined = fit_combined_loader(trainer)
+    if combined is None or not any(candidate is loader for candidate in combined.flattened):
+        return processed
+    length = len(loader)  # type: ignore[arg-type]
+    mode = combined_mode(combined)
+    if mode == "max_size_cycle" and length > 0:
+        return processed % length
+    if mode == "max_size":
+        return min(processed, length)
+    return processed
+
+
 def make_resumable(dataloader: object, trainer_ref: Callable[[], Any]) -> object:
     """Make a dataloader Lightning built resume exactly mid-epoch, in place where possible.
 
@@ -244,7 +265,7 @@ def _with_state(
     batch_size = int(loader.batch_size)
 
     def state_dict() -> dict[str, Any]:
-        samples = _batches_consumed(trainer_ref()) * batch_size
+        samples = _pass_batches(trainer_ref(), loader) * batch_size
         return {
             "version": STATE_VERSION,
             "epoch": resumable.epoch,
@@ -284,7 +305,7 @@ def _with_state(
                 f"{resumable.seed}. Resume with the same dataset and seed (seed_everything), or start a new run."
             )
         trainer = trainer_ref()
-        counted = _batches_consumed(trainer) * batch_size
+        counted = _pass_batches(trainer, loader) * batch_size
         resumable.order_world_size = int(state.get("order_world_size", state["world_size"]))
         resumable.resume(int(state["epoch"]), int(state["cursor"]), counted)
         _refresh_limit(trainer, loader)
