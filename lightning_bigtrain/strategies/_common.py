@@ -197,3 +197,20 @@ def weight_averaging_callbacks(trainer: Any) -> list[Any]:
         return []
     found = [c for c in getattr(trainer, "callbacks", []) if isinstance(c, WeightAveraging)]
     return [c for c in found if getattr(c, "_average_model", None) is not None]
+
+
+def refuse_sparse_gradients(module: Any, who: str, instead: str) -> None:
+    """Refuse a module whose embeddings make sparse gradients (``nn.Embedding(sparse=True)``,
+    ``nn.EmbeddingBag(sparse=True)``) under a layout that reduces gradients through flat or sharded buffers, which
+    sparse tensors cannot enter (it failed at the first backward, deep in torch or DeepSpeed: "reshape is not
+    implemented for sparse tensors", "Could not run 'fsdp::chunk_cat' ... 'SparseCPU'")."""
+    from torch import nn
+
+    if module is None:
+        return
+    sparse = [name for name, m in module.named_modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse]
+    if sparse:
+        raise ValueError(
+            f"`{who}` cannot reduce the sparse gradients of {_listed(sparse)} (`sparse=True` embeddings): its gradient "
+            f"buffers are dense. Make them dense (`sparse=False`; a dense gradient of the table), or use {instead}."
+        )

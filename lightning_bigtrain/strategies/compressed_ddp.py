@@ -21,6 +21,7 @@ from lightning_bigtrain.engines.auto_compression import AutoCompression
 from lightning_bigtrain.engines.compression import GradientCompression, NodeGroups
 from lightning_bigtrain.engines.onebit_adam import CompressedMomentumAdam, OneBitAdam, phase_hook
 from lightning_bigtrain.functional.compression import COMPRESSION_NAMES, Compressor, Quantize
+from lightning_bigtrain.strategies._common import refuse_sparse_gradients
 from lightning_bigtrain.strategies._compression import (
     CHECKPOINT_KEY,
     CompressionSupport,
@@ -195,6 +196,7 @@ class CompressedDDPStrategy(FaultTolerantStrategyMixin, DDPStrategy):
         if not compression_applies(self.compression, self.model.module, self.world_size, "CompressedDDPStrategy",
                                    shown=shown):  # fmt: skip
             return  # dense DDP, with the reason warned
+        refuse_sparse_gradients(self.model.module, "CompressedDDPStrategy", "Lightning's DDP (uncompressed)")
         nodes = self._node_groups()
         # The engine's collectives run on its own thread; DDP's run on the autograd thread (with
         # find_unused_parameters=True or a static graph's first step, DDP all-reduces its map of used parameters

@@ -36,7 +36,12 @@ from lightning_bigtrain.functional.materialize import (
 )
 from lightning_bigtrain.functional.optim_probe import slice_step_error
 from lightning_bigtrain.functional.sharding import auto_wrap_targets
-from lightning_bigtrain.strategies._common import RNG_KEY, ZeroCommon, weight_averaging_callbacks
+from lightning_bigtrain.strategies._common import (
+    RNG_KEY,
+    ZeroCommon,
+    refuse_sparse_gradients,
+    weight_averaging_callbacks,
+)
 from lightning_bigtrain.strategies._compression import resolve_compression
 from lightning_bigtrain.strategies._fault import FaultTolerantStrategyMixin
 from lightning_bigtrain.strategies._layouts import saved_layout_kind
@@ -386,6 +391,10 @@ class DeepSpeedZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, DeepSpeedStr
             if offload_params:
                 self.config["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": True}
         from lightning.pytorch.callbacks import LearningRateFinder
+
+        if trainer.state.fn == TrainerFn.FITTING:
+            refuse_sparse_gradients(self.model, f"DeepSpeedZeroStrategy(stage={self.stage})",
+                                    "`ZeroStrategy(stage=1)` or Lightning's DDP")  # fmt: skip
 
         if any(isinstance(c, LearningRateFinder) for c in getattr(trainer, "callbacks", [])):
             # It failed inside Lightning's finder: "DeepSpeedZeroOptimizer is not an Optimizer".

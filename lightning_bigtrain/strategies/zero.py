@@ -61,7 +61,12 @@ from lightning_bigtrain.functional.tensor_parallel import (
     split_grads_,
     swap_block_attention_,
 )
-from lightning_bigtrain.strategies._common import RNG_KEY, ZeroCommon, weight_averaging_callbacks
+from lightning_bigtrain.strategies._common import (
+    RNG_KEY,
+    ZeroCommon,
+    refuse_sparse_gradients,
+    weight_averaging_callbacks,
+)
 from lightning_bigtrain.strategies._compression import (
     CHECKPOINT_KEY,
     CompressionSupport,
@@ -384,6 +389,8 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
                     f"`{type(callback).__name__}(device={device!r})` under `ZeroStrategy(stage={self.stage})`: the "
                     "average is kept sharded like the module, on its device. Leave `device` unset."
                 )
+        if trainer.state.fn == TrainerFn.FITTING and not (self.stage == 1 and self._flat_engine):
+            refuse_sparse_gradients(module, f"ZeroStrategy(stage={self.stage})", "stage 1 or Lightning's DDP")
         finetuning = [c for c in getattr(trainer, "callbacks", []) if isinstance(c, BaseFinetuning)]
         if self._flat_engine and finetuning:
             # It maps the optimizer's parameters to the module's by identity (and failed on a KeyError there), and

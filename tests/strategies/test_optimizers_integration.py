@@ -87,3 +87,50 @@ def test_optimizers_train_as_under_ddp_or_are_refused_at_setup():
     assert "DeepSpeedZeroStrategy` (plain flat partitions" not in message  # not element-wise: not suggested
     assert "DeepSpeedZeroStrategy` (plain flat partitions" in refused["zero3/rprop"][0]
     assert "Muon refuses a flat slice" in refused["ds2/muon"][0] and "Use stage=3" in refused["zero1/muon"][0]
+
+
+class _SparseEmbedding(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(100, 32, sparse=True)  # sparse gradients (SGD takes them)
+        self.head = nn.Linear(32, 4)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self.head(self.emb(x).mean(1)), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _sparse(rank: int, names: list[str]) -> dict[str, object]:
+    from lightning_bigtrain.compression import PowerSGD
+    from lightning_bigtrain.strategies import CompressedDDPStrategy
+
+    g = torch.Generator().manual_seed(1)
+    dataset = torch.utils.data.TensorDataset(torch.randint(0, 100, (64, 6), generator=g),
+                                             torch.randint(0, 4, (64,), generator=g))  # fmt: skip
+    out: dict[str, object] = {}
+    for name in names:
+        model = _SparseEmbedding()
+        chosen = CompressedDDPStrategy(PowerSGD(rank=4)) if name == "compressed" else strategy(name)
+        trainer = L.Trainer(strategy=chosen, **_QUIET)
+        try:
+            trainer.fit(model, torch.utils.data.DataLoader(dataset, batch_size=8))
+        except ValueError as err:
+            out[name] = str(err)
+            continue
+        out[name] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return out
+
+
+def test_sparse_embedding_gradients_train_where_they_can_and_are_refused_at_setup_elsewhere():
+    """``nn.Embedding(sparse=True)``: ZeRO-2/3, DeepSpeed and the compressed exchange failed at the first backward deep
+    in torch or DeepSpeed ("reshape is not implemented for sparse tensors", "Could not run 'fsdp::chunk_cat' ...
+    'SparseCPU'"); stage 1 accumulates them into its dense buckets and trains as DDP does."""
+    out = run_on_ranks(_sparse, ["ddp", "zero1", "zero2", "zero3", "ds1", "compressed"], init_process_group=False)[0]
+    assert torch.equal(out["zero1"], out["ddp"])
+    for name, who in (("zero2", "ZeroStrategy(stage=2)"), ("zero3", "ZeroStrategy(stage=3)"),
+                      ("ds1", "DeepSpeedZeroStrategy(stage=1)"), ("compressed", "CompressedDDPStrategy")):  # fmt: skip
+        assert f"`{who}` cannot reduce the sparse gradients of `emb`" in out[name], out[name]
