@@ -47,6 +47,7 @@ __all__ = [
     "forward_redirection",
     "rewrap_ddp",
     "should_accumulate",
+    "weight_averaging_callbacks",
 ]
 
 
@@ -115,3 +116,14 @@ def _keep_root_gathered(root: Any) -> None:
     for group in root._get_fsdp_state()._fsdp_param_groups:
         if not group._reshard_after_forward and group._training_state == TrainingState.IDLE:
             group._training_state = TrainingState.FORWARD
+
+
+def weight_averaging_callbacks(trainer: Any) -> list[Any]:
+    """Lightning's ``WeightAveraging`` callbacks (an EMA of the module) that made their average for this fit (its
+    private ``_average_model``: an ``AveragedModel`` over a copy of the module)."""
+    try:
+        from lightning.pytorch.callbacks import WeightAveraging
+    except ImportError:  # Lightning before 2.6
+        return []
+    found = [c for c in getattr(trainer, "callbacks", []) if isinstance(c, WeightAveraging)]
+    return [c for c in found if getattr(c, "_average_model", None) is not None]

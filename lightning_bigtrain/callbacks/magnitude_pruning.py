@@ -313,6 +313,7 @@ class MagnitudePruning(L.Callback):
         params = self._params(pl_module)
         if self._pending is not None:
             self._restore(params)
+        self._mask_averages(trainer)
         if self.criterion == "movement":
             for name, p in params.items():
                 self._scores.setdefault(name, torch.zeros_like(_local(p), dtype=torch.float32))
@@ -372,6 +373,44 @@ class MagnitudePruning(L.Callback):
             rank_zero_info(format_sparsity_table(self.report))
             if self.plot:
                 self._save_plot(trainer)
+
+    def _mask_averages(self, trainer: L.Trainer) -> None:
+        """Lightning's weight averaging keeps a copy of the module that it updates from the module's weights and
+        copies back at the end of fit (and swaps in around validation). The masks were not applied to it: the
+        average of weights pruned at some point is not zero there, and the pruned model came out of fit dense
+        (sparsity 0.0), silently. Each ``WeightAveraging`` update is now followed by the masks, and SWA's transfer
+        into the module too."""
+        from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+        from lightning_bigtrain._compat import weight_averaging_callbacks
+
+        for callback in weight_averaging_callbacks(trainer):
+            average = callback._average_model
+            if getattr(average, "_bigtrain_masked", None) is self:
+                continue
+            update = average.update_parameters
+
+            def masked_update(model: nn.Module, update: Any = update, average: Any = average) -> None:
+                update(model)
+                if self._masks:
+                    self._apply(self._params(average.module))
+
+            average.update_parameters = masked_update
+            average._bigtrain_masked = self
+        for callback in trainer.callbacks:  # type: ignore[attr-defined]
+            if (
+                isinstance(callback, StochasticWeightAveraging)
+                and getattr(callback, "_bigtrain_masked", None) is not self
+            ):
+                transfer = callback.transfer_weights
+
+                def masked_transfer(src: nn.Module, dst: nn.Module, transfer: Any = transfer) -> None:
+                    transfer(src, dst)
+                    if self._masks:
+                        self._apply(self._params(dst))
+
+                callback.transfer_weights = masked_transfer  # type: ignore[method-assign,assignment]
+                callback._bigtrain_masked = self  # type: ignore[attr-defined]
 
     def make_permanent(self) -> list[SparsityRow]:
         """Stop enforcing the masks (the pruned weights stay zero; further training may revive them) and

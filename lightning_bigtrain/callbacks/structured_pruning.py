@@ -34,6 +34,17 @@ def _swap_as_saved(module: nn.Module, checkpoint: dict[str, Any]) -> None:
         swap_multihead_attention_(module, names)
 
 
+def _averages_weights(callback: object) -> bool:
+    """Lightning's weight-averaging callbacks (``WeightAveraging`` / ``EMAWeightAveraging``, SWA)."""
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    try:
+        from lightning.pytorch.callbacks import WeightAveraging
+    except ImportError:  # Lightning before 2.6
+        return isinstance(callback, StochasticWeightAveraging)
+    return isinstance(callback, (StochasticWeightAveraging, WeightAveraging))
+
+
 class StructuredPruning(L.Callback):
     """Remove whole channels, neurons and filters during training, so the model really gets smaller and faster.
 
@@ -131,6 +142,15 @@ class StructuredPruning(L.Callback):
                 f"StructuredPruning changes layer shapes mid-training, which {type(strategy).__name__} cannot follow "
                 "(its shards, buckets or compression state are laid out for the old shapes). Prune with "
                 "strategy='ddp' or one device, then train the smaller model with any strategy."
+            )
+        averaging = [c for c in trainer.callbacks if _averages_weights(c)]  # type: ignore[attr-defined]
+        if averaging:
+            # The average is a copy of the module with its old shapes: WeightAveraging's update failed on a size
+            # mismatch ("The size of tensor a (64) must match the size of tensor b (32)").
+            raise ValueError(
+                f"StructuredPruning with `{type(averaging[0]).__name__}`: the average is a copy of the module made "
+                "before pruning, and pruning removes channels from the module mid-training, so the two no longer "
+                "match. Prune in one fit, then average the smaller model's training in the next."
             )
         from lightning_bigtrain.functional.structured import check_module_names
 

@@ -189,16 +189,6 @@ def _listed(names: list[str], most: int = 8) -> str:
     return shown + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
-def weight_averaging_callbacks(trainer: Any) -> list[Any]:
-    """Lightning's ``WeightAveraging`` callbacks (an EMA of the module) that made their average for this fit."""
-    try:
-        from lightning.pytorch.callbacks import WeightAveraging
-    except ImportError:  # Lightning before 2.6
-        return []
-    found = [c for c in getattr(trainer, "callbacks", []) if isinstance(c, WeightAveraging)]
-    return [c for c in found if getattr(c, "_average_model", None) is not None]
-
-
 def refuse_sparse_gradients(module: Any, who: str, instead: str) -> None:
     """Refuse a module whose embeddings make sparse gradients (``nn.Embedding(sparse=True)``,
     ``nn.EmbeddingBag(sparse=True)``) under a layout that reduces gradients through flat or sharded buffers, which

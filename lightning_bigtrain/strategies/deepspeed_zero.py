@@ -23,7 +23,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from typing_extensions import override
 
-from lightning_bigtrain._compat import _IS_INTERACTIVE
+from lightning_bigtrain._compat import _IS_INTERACTIVE, weight_averaging_callbacks
 from lightning_bigtrain.checkpointing import atomic_folder_save, load_path
 from lightning_bigtrain.functional.compression import Cast, Compressor
 from lightning_bigtrain.functional.materialize import (
@@ -40,7 +40,6 @@ from lightning_bigtrain.strategies._common import (
     RNG_KEY,
     ZeroCommon,
     refuse_sparse_gradients,
-    weight_averaging_callbacks,
 )
 from lightning_bigtrain.strategies._compression import resolve_compression
 from lightning_bigtrain.strategies._fault import FaultTolerantStrategyMixin

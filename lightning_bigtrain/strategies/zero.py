@@ -25,6 +25,7 @@ from lightning_bigtrain._compat import (
     _SubprocessScriptLauncher,
     _WorkerOutput,
     forward_redirection,
+    weight_averaging_callbacks,
 )
 from lightning_bigtrain._logging import is_logging_step, log_interval
 from lightning_bigtrain.checkpointing import (
@@ -65,7 +66,6 @@ from lightning_bigtrain.strategies._common import (
     RNG_KEY,
     ZeroCommon,
     refuse_sparse_gradients,
-    weight_averaging_callbacks,
 )
 from lightning_bigtrain.strategies._compression import (
     CHECKPOINT_KEY,
