@@ -1102,6 +1102,19 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
                 apply_named_state(flat, self.model, named, weights)
             else:
                 set_optimizer_state_dict(self.model, optimizer, named, options=StateDictOptions(full_state_dict=True))
+        if "current_model_state" in checkpoint:
+            # WeightAveraging's checkpoint, for its on_load_checkpoint: the average (`state_dict`, loaded into the
+            # module above) and the module's own weights, both laid out as the module's parameters (it failed on
+            # a KeyError for `state_dict`, and stage 3's DTensors cannot take whole tensors).
+            if self._flat_engine:
+                checkpoint["state_dict"] = weights
+            else:
+                from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+                checkpoint["state_dict"] = _detached_copy(get_model_state_dict(self.model))
+                checkpoint["current_model_state"] = _laid_out_like(
+                    checkpoint["current_model_state"], checkpoint["state_dict"]
+                )
         return checkpoint
 
     @override
@@ -1383,6 +1396,20 @@ class _FullWeightsLauncher(_MultiProcessingLauncher):
 def _detached_copy(state: dict[str, Any]) -> dict[str, Any]:
     """A state dict's tensors copied (DTensors keep their layout): targets to load into that are not the module's."""
     return {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+
+
+def _laid_out_like(whole: dict[str, Any], template: dict[str, Any]) -> dict[str, Any]:
+    """Whole tensors (every rank holds them) cut as ``template``'s DTensors are: this rank's part of each, no
+    communication; other entries as they are."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    out = dict(whole)
+    for key, value in whole.items():
+        like = template.get(key)
+        if isinstance(like, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+            value = value.to(device=like.device, dtype=like.dtype)
+            out[key] = distribute_tensor(value, like.device_mesh, like.placements, src_data_rank=None)
+    return out
 
 
 def _sharded_entry(key: str, value: Any) -> bool:
