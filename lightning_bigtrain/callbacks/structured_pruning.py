@@ -143,7 +143,7 @@ class StructuredPruning(L.Callback):
                 "(its shards, buckets or compression state are laid out for the old shapes). Prune with "
                 "strategy='ddp' or one device, then train the smaller model with any strategy."
             )
-        averaging = [c for c in trainer.callbacks if _averages_weights(c)]  # type: ignore[attr-defined]
+        averaging = [c for c in getattr(trainer, "callbacks", []) if _averages_weights(c)]
         if averaging:
             # The average is a copy of the module with its old shapes: WeightAveraging's update failed on a size
             # mismatch ("The size of tensor a (64) must match the size of tensor b (32)").

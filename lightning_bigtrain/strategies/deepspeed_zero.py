@@ -389,11 +389,10 @@ class DeepSpeedZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, DeepSpeedStr
             self.config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
             if offload_params:
                 self.config["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": True}
-        from lightning.pytorch.callbacks import LearningRateFinder
-
         if trainer.state.fn == TrainerFn.FITTING:
             refuse_sparse_gradients(self.model, f"DeepSpeedZeroStrategy(stage={self.stage})",
                                     "`ZeroStrategy(stage=1)` or Lightning's DDP")  # fmt: skip
+        from lightning.pytorch.callbacks import LearningRateFinder
 
         if any(isinstance(c, LearningRateFinder) for c in getattr(trainer, "callbacks", [])):
             # It failed inside Lightning's finder: "DeepSpeedZeroOptimizer is not an Optimizer".

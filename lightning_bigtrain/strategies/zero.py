@@ -1017,8 +1017,9 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
             checkpoint["current_model_state"] = state["current_model_state"]
         if "current_model_state" in checkpoint:
             # For WeightAveraging.on_load_checkpoint: the average (`state_dict`, loaded into the module above) and
-            # the module's own weights (sharded, or whole in meta.pt at stages 1-2), which it loads into the module.
-            checkpoint["state_dict"] = state["state_dict"]
+            # the module's own weights (sharded, or whole in meta.pt at stages 1-2), which it loads into the module
+            # (a copy: the targets are the module's parameters, which the callback overwrites next).
+            checkpoint["state_dict"] = _detached_copy(state["state_dict"])
         return checkpoint
 
     def _drop_unsaved_group_keys(self, location: str) -> None:
@@ -1054,7 +1055,7 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         current = {"current_model_state": _detached_copy(get_model_state_dict(self.model))}
         dcp.load(current, storage_reader=reader)
         checkpoint["current_model_state"] = current["current_model_state"]
-        checkpoint["state_dict"] = get_model_state_dict(self.model)
+        checkpoint["state_dict"] = _detached_copy(get_model_state_dict(self.model))
         return checkpoint
 
     def _load_converted(self, location: str, kind: str) -> dict[str, Any]:
