@@ -402,6 +402,28 @@ class FlatShardedOptimizer(torch.optim.Optimizer):
         return buckets
 
     @torch.no_grad()
+    def _adopt_data(self) -> None:
+        """A parameter whose ``.data`` was replaced (``p.data = t``: Lightning's ``ModelPruning`` resetting weights for
+        the lottery ticket, a user's own re-initialization) is no longer a view into its bucket: the engine would go on
+        stepping and gathering the bucket while the module computed with the new tensor, never updated (its weights
+        silently frozen). Its values are taken into the bucket (and this rank's fp32 master slice) and the view
+        restored."""
+        for b in self._buckets:
+            start, size = b.flat.data_ptr(), b.flat.element_size()
+            lo = self.rank * b.chunk
+            for p, offset in zip(b.params, b.offsets, strict=True):
+                if p.data_ptr() == start + offset * size:
+                    continue
+                n = p.numel()
+                values = p.detach().reshape(-1)
+                if b.master is not None:
+                    a, z = max(offset, lo), min(offset + n, lo + b.chunk)
+                    if a < z:
+                        b.master[a - lo : z - lo].copy_(values[a - offset : z - offset])
+                b.flat[offset : offset + n].copy_(values)
+                p.data = b.flat[offset : offset + n].view_as(p)
+
+    @torch.no_grad()
     def _adopt_grads(self) -> None:
         """Stage 1: each parameter's ``.grad`` the view into its bucket again, with the value it had (None: zero)."""
         for b in self._buckets:
@@ -470,6 +492,7 @@ class FlatShardedOptimizer(torch.optim.Optimizer):
         Stage 1 also puts back the gradient views that ``module.zero_grad()`` (Lightning calls it before every run;
         a user may too) replaced with ``None``: zeroed, so that this backward pass accumulates into the buckets. A
         gradient the user assigned is copied into its view."""
+        self._adopt_data()
         self._adopt_grads()
         for b in self._buckets:
             if b.reduced and b.grad is not None:
@@ -517,6 +540,7 @@ class FlatShardedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._adopt_data()
         self._settle()
         if not self._mixed:
             self.inner.step()

@@ -314,6 +314,7 @@ class DeepSpeedZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, DeepSpeedStr
         self._rng_seed: int | None = None
         self.memory: dict[str, int] = {}
         self._trainable: TrainableWatch | None = None  # fitting: requires_grad as at setup
+        self._storages: list[tuple[str, Any, int]] = []  # stages 1-2 fitting: each parameter's storage at setup
         self._backwards_since_step = 0
         self._manual_clip: float | None = None  # manual optimization: `clip_gradients` for the next engine step
         self._init_fault_tolerance()
@@ -392,7 +393,19 @@ class DeepSpeedZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, DeepSpeedStr
         if trainer.state.fn == TrainerFn.FITTING:
             refuse_sparse_gradients(self.model, f"DeepSpeedZeroStrategy(stage={self.stage})",
                                     "`ZeroStrategy(stage=1)` or Lightning's DDP")  # fmt: skip
-        from lightning.pytorch.callbacks import LearningRateFinder
+        from lightning.pytorch.callbacks import LearningRateFinder, ModelPruning
+
+        for callback in getattr(trainer, "callbacks", []):
+            if isinstance(callback, ModelPruning) and getattr(callback, "_use_lottery_ticket_hypothesis", False):
+                # Its reset replaces each parameter's `.data`, which DeepSpeed holds as views into its flat groups:
+                # the module then computed with tensors DeepSpeed never updated (weights 0.14 off DDP's, silently).
+                raise ValueError(
+                    f"Lightning's `ModelPruning(use_lottery_ticket_hypothesis=...)` under `DeepSpeedZeroStrategy("
+                    f"stage={self.stage})`: its reset of the remaining weights replaces each parameter's `.data`, and "
+                    "DeepSpeed keeps the parameters as views into its own flat buffers, which would go on being "
+                    "trained apart from the module. Pass `use_lottery_ticket_hypothesis=False`, or use `ZeroStrategy("
+                    "stage=1 or 2)` (which takes the new values in)."
+                )
 
         if any(isinstance(c, LearningRateFinder) for c in getattr(trainer, "callbacks", [])):
             # It failed inside Lightning's finder: "DeepSpeedZeroOptimizer is not an Optimizer".
@@ -422,9 +435,30 @@ class DeepSpeedZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, DeepSpeedStr
         super().setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
         self._trainable = TrainableWatch(self.lightning_module) if fitting else None
+        module = self.lightning_module
+        # Stages 1-2 hold each parameter as a view into DeepSpeed's flat buffers (stage 3 swaps `.data` itself).
+        self._storages = (
+            [(name, p, p.data_ptr()) for name, p in module.named_parameters()]
+            if fitting and self.stage < 3 and module is not None
+            else []
+        )
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        replaced = [name for name, p, pointer in self._storages if p.data_ptr() != pointer]
+        if replaced:
+            # DeepSpeed went on training its flat buffers while the module computed with the new tensors (weights
+            # 0.39 off DDP's after one epoch, silently).
+            shown = ", ".join(f"`{n}`" for n in replaced[:4]) + (
+                f" and {len(replaced) - 4} more" if len(replaced) > 4 else ""
+            )
+            raise RuntimeError(
+                f"`DeepSpeedZeroStrategy(stage={self.stage})`: the `.data` of {shown} was replaced since setup "
+                "(`p.data = ...`: a re-initialization, Lightning's lottery-ticket reset). DeepSpeed keeps the "
+                "parameters as views into its own flat buffers and would go on training those apart from the module. "
+                "Write new values in place (`p.data.copy_(...)`, under `torch.no_grad()`), or use `ZeroStrategy` (it "
+                "takes the new values in)."
+            )
         if self._trainable is not None and self._trainable.describe():
             raise RuntimeError(
                 f"`DeepSpeedZeroStrategy(stage={self.stage})`: since setup, {self._trainable.describe()}. DeepSpeed "

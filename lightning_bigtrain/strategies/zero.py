@@ -361,7 +361,7 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
                 f"`ZeroStrategy(stage={self.stage})` got a model without trainable parameters "
                 f"({type(module).__name__}): there is nothing to shard or train."
             )
-        from lightning.pytorch.callbacks import BaseFinetuning, StochasticWeightAveraging
+        from lightning.pytorch.callbacks import BaseFinetuning, ModelPruning, StochasticWeightAveraging
 
         if not self._flat_engine and any(
             isinstance(c, StochasticWeightAveraging) for c in getattr(trainer, "callbacks", [])
@@ -373,6 +373,15 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
                 "of the whole module, which this layout keeps sharded (stage 3, offloading, tensor or pipeline "
                 "parallelism). Use stage 1 or 2 (parameters replicated; averaging works there), or average "
                 "consolidated checkpoints afterwards (`bigtrain consolidate`, `torch.optim.swa_utils`)."
+            )
+        if not self._flat_engine and any(isinstance(c, ModelPruning) for c in getattr(trainer, "callbacks", [])):
+            # torch.nn.utils.prune computes its masks with operations DTensor cannot shard (it failed at the first
+            # pruning: "Sharding propagation failed for aten.index.Tensor").
+            raise ValueError(
+                f"Lightning's `ModelPruning` under `ZeroStrategy(stage={self.stage}, ...)`: torch.nn.utils.prune "
+                "cannot compute its masks on the sharded parameters of this layout (stage 3, offloading, tensor or "
+                "pipeline parallelism). Use `lightning_bigtrain.callbacks.MagnitudePruning` (it prunes sharded "
+                "parameters, with the same global or per-layer magnitude criterion), or stage 1 or 2."
             )
         self._averaged = weight_averaging_callbacks(trainer)
         if self._averaged and (self.tensor_parallel > 1 or self.pipeline_parallel > 1):
