@@ -207,7 +207,19 @@ def seen_samples(workdir: Path) -> dict[int, list[int]]:
 
 
 # ---- the harness (runs in the test process) -----------------------------------------------------------------
-def launch(
+def launch(setting: str, workdir: Path, launch_id: str, **kwargs: Any) -> int:
+    """:func:`_launch`, started again (on a new port) when its rendezvous found the port taken: a multi-"node" job
+    meets at a port the harness picked free, which a concurrent test (another pytest worker) may bind before the job
+    does ("EADDRINUSE"). Nothing of the job ran then: no rank got past ``init_process_group``."""
+    for _ in range(3):
+        status = _launch(setting, workdir, launch_id, **kwargs)
+        logs = [workdir / f"log-{launch_id}.txt", *workdir.glob(f"log-{launch_id}-node*.txt")]
+        if status == 0 or not any("EADDRINUSE" in path.read_text(errors="replace") for path in logs if path.exists()):
+            return status
+    return status
+
+
+def _launch(
     setting: str,
     workdir: Path,
     launch_id: str,
