@@ -64,8 +64,9 @@ def rebuild_optimizer(optimizer: torch.optim.Optimizer, groups: list[dict[str, A
     return type(optimizer)(groups, **kwargs)
 
 
-def _hyper(group: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in group.items() if k != "params"}
+def _over(optimizer: torch.optim.Optimizer, group: dict[str, Any], param: torch.Tensor) -> torch.optim.Optimizer:
+    """A copy of ``optimizer`` over ``param`` alone, with ``group``'s hyper-parameters."""
+    return rebuild_optimizer(optimizer, [{**{k: v for k, v in group.items() if k != "params"}, "params": [param]}])
 
 
 def _step(optimizer: torch.optim.Optimizer) -> None:
@@ -106,11 +107,11 @@ def slice_step_error(optimizer: torch.optim.Optimizer) -> str | None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             try:
-                reference = rebuild_optimizer(optimizer, [{**_hyper(group), "params": [whole]}])
+                reference = _over(optimizer, group, whole)
             except Exception:
                 return None
             try:
-                slices = [rebuild_optimizer(optimizer, [{**_hyper(group), "params": [h]}]) for h in halves]
+                slices = [_over(optimizer, group, h) for h in halves]
             except Exception as err:
                 return f"{name} refuses a flat slice of a parameter ({type(err).__name__}: {_first_line(err)})"
             for salt in (1, 2, 3):
@@ -191,7 +192,7 @@ def dtensor_step_error(optimizer: torch.optim.Optimizer, mesh: Any = None, flat:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             try:
-                probe = rebuild_optimizer(optimizer, [{**_hyper(group), "params": [param]}])
+                probe = _over(optimizer, group, param)
             except Exception:
                 return None
             for salt in (1, 2):

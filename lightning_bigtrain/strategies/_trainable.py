@@ -36,11 +36,7 @@ class TrainableWatch:
     def describe(self) -> str:
         """The changes in words, a few names each."""
         unfrozen, frozen = self.changes()
-        parts = []
-        for names, what in ((unfrozen, "became trainable"), (frozen, "were frozen")):
-            if names:
-                shown = ", ".join(f"`{n}`" for n in names[:4]) + (
-                    f" and {len(names) - 4} more" if len(names) > 4 else ""
-                )
-                parts.append(f"{shown} {what}")
-        return "; ".join(parts)
+        from lightning_bigtrain.strategies._common import _listed
+
+        pairs = ((unfrozen, "became trainable"), (frozen, "were frozen"))
+        return "; ".join(f"{_listed(names, most=4)} {what}" for names, what in pairs if names)

@@ -39,6 +39,7 @@ from lightning_bigtrain.functional.sharding import auto_wrap_targets
 from lightning_bigtrain.strategies._common import (
     RNG_KEY,
     ZeroCommon,
+    _listed,
     refuse_sparse_gradients,
 )
 from lightning_bigtrain.strategies._compression import resolve_compression
@@ -449,15 +450,12 @@ class DeepSpeedZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, DeepSpeedStr
         if replaced:
             # DeepSpeed went on training its flat buffers while the module computed with the new tensors (weights
             # 0.39 off DDP's after one epoch, silently).
-            shown = ", ".join(f"`{n}`" for n in replaced[:4]) + (
-                f" and {len(replaced) - 4} more" if len(replaced) > 4 else ""
-            )
             raise RuntimeError(
-                f"`DeepSpeedZeroStrategy(stage={self.stage})`: the `.data` of {shown} was replaced since setup "
-                "(`p.data = ...`: a re-initialization, Lightning's lottery-ticket reset). DeepSpeed keeps the "
-                "parameters as views into its own flat buffers and would go on training those apart from the module. "
-                "Write new values in place (`p.data.copy_(...)`, under `torch.no_grad()`), or use `ZeroStrategy` (it "
-                "takes the new values in)."
+                f"`DeepSpeedZeroStrategy(stage={self.stage})`: the `.data` of {_listed(replaced, most=4)} was replaced "
+                "since setup (`p.data = ...`: a re-initialization, Lightning's lottery-ticket reset). DeepSpeed keeps "
+                "the parameters as views into its own flat buffers and would go on training those apart from the "
+                "module. Write new values in place (`p.data.copy_(...)`, under `torch.no_grad()`), or use "
+                "`ZeroStrategy` (it takes the new values in)."
             )
         if self._trainable is not None and self._trainable.describe():
             raise RuntimeError(
