@@ -18,6 +18,7 @@ from lightning_bigtrain import (
     planning,
     plugins,
     strategies,
+    utilities,
     warnings,
 )
 
@@ -31,5 +32,6 @@ __all__ = [
     "planning",
     "plugins",
     "strategies",
+    "utilities",
     "warnings",
 ]

@@ -33,6 +33,7 @@ are accepted, and only those that can step DTensor slices: both asked of the opt
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Collection, Generator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -51,7 +52,14 @@ from lightning_bigtrain.functional.optim_probe import (
 )
 from lightning_bigtrain.functional.sharding import local_view
 
-__all__ = ["ELEMENTWISE_OPTIMIZERS", "FlatGradScaler", "FlatShardedOptimizer", "bucket_runs", "norm_parameters"]
+__all__ = [
+    "ELEMENTWISE_OPTIMIZERS",
+    "FlatGradScaler",
+    "FlatShardedOptimizer",
+    "bucket_runs",
+    "flat_grad_part",
+    "norm_parameters",
+]
 
 
 def _all_gather(output: torch.Tensor, input: torch.Tensor, **kwargs: Any) -> Any:
@@ -90,6 +98,32 @@ def bucket_runs(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.P
 
 
 _STAGED = 2  # stage 2: staging buffers alive at once
+
+
+#: Each bucketed parameter's engine, bucket and position in it, by ``id`` (with weak references to the parameter, so a
+#: reused id is not mistaken for it, and to the engine, so this table never keeps an engine's buffers alive): how
+#: :func:`flat_grad_part` finds a parameter's part of the averaged gradient from the parameter alone.
+_OWNERS: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[FlatShardedOptimizer], int, int]] = {}
+
+
+def flat_grad_part(param: torch.Tensor) -> tuple[torch.Tensor, Any] | None:
+    """``param``'s part of the averaged gradient on this rank and the process group whose ranks hold the other parts,
+    where a :class:`FlatShardedOptimizer` holds it (else None): the gradient its optimizer steps, between the end of
+    a synchronised backward pass and the step. ``param.grad`` is not that gradient there (stage 1: averaged only in
+    this rank's slices, zero in the others; stage 2: None outside backward). Empty where this rank owns none of it."""
+    entry = _OWNERS.get(id(param))
+    if entry is None or entry[0]() is not param:
+        return None
+    engine = entry[1]()
+    if engine is None:
+        return None
+    b, index = engine._buckets[entry[2]], entry[3]
+    lo = engine.rank * b.chunk
+    local = b.grad[lo : lo + b.chunk] if b.grad is not None else b.shard_grad
+    assert local is not None
+    start, n = b.offsets[index], b.params[index].numel()
+    a, z = max(start, lo), min(start + n, lo + b.chunk)
+    return local[a - lo : z - lo] if a < z else local[:0], engine.group
 
 
 def _from_local(local: torch.Tensor, mesh: Any, numel: int) -> Any:
@@ -278,6 +312,9 @@ class FlatShardedOptimizer(torch.optim.Optimizer):
             for b in self._buckets
             for i, p in enumerate(b.params)
         ]
+        for k, b in enumerate(self._buckets):
+            for i, p in enumerate(b.params):
+                _OWNERS[id(p)] = (weakref.ref(p), weakref.ref(self), k, i)
 
     def remove_hooks(self) -> None:
         """Detach from the parameters (their post-accumulate-grad hooks): when the run that built this engine ends.
@@ -287,6 +324,11 @@ class FlatShardedOptimizer(torch.optim.Optimizer):
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+        for b in self._buckets:
+            for p in b.params:
+                entry = _OWNERS.get(id(p))
+                if entry is not None and entry[1]() is self:
+                    del _OWNERS[id(p)]
 
     def _reset_pending(self) -> None:
         for b in self._buckets:

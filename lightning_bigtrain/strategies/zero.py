@@ -599,6 +599,12 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
             _optimizers_to_device(self.optimizers, self.root_device)
 
     @property
+    def pipeline_group(self) -> Any:
+        """The process group of this rank's pipeline (a rank per pipeline position), None without pipeline
+        parallelism: what :func:`lightning_bigtrain.utilities.grad_norm` gathers the other stages' norms over."""
+        return None if self._pipeline is None else self._pipeline.group
+
+    @property
     def pipeline_bubble(self) -> float:
         """The last training batch's pipeline bubble, from the schedule's measured per-action times (NaN before, or
         without pipeline parallelism). With a pipeline it is a collective over the pipeline group: read it on every

@@ -15,6 +15,7 @@ from lightning_bigtrain.strategies import PipelineOptions, ZeroStrategy
 from tests.helpers.distributed import run_on_ranks
 from tests.strategies.test_tensor_parallel_integration import (
     _QUIET,
+    GradNorms,
     InOrder,
     Losses,
     OneReplica,
@@ -22,6 +23,7 @@ from tests.strategies.test_tensor_parallel_integration import (
     _assert_step6_loss_on_one_device,
     _no_dropout,
     _resume,
+    assert_same_norms,
 )
 
 pytestmark = pytest.mark.integration
@@ -51,17 +53,17 @@ def _fit(
     ckpt_path: str | None = None,
 ) -> dict[str, Any]:
     L.seed_everything(0, verbose=False)
-    losses, logged = Losses(), Logged()
+    losses, logged, norms = Losses(), Logged(), GradNorms()
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, limit_val_batches=2,
                         val_check_interval=steps * accumulate, gradient_clip_val=0.5,
                         enable_checkpointing=bool(callbacks), accumulate_grad_batches=accumulate,
-                        callbacks=[losses, logged, *callbacks],
+                        callbacks=[losses, logged, norms, *callbacks],
                         **_QUIET)  # fmt: skip
     data = (OneReplica if devices == 1 else ShakespeareDataModule)(block_size=32, batch_size=batch, subset=2048)
     trainer.fit(_model(), datamodule=data, ckpt_path=ckpt_path)
     bubble = getattr(trainer.strategy, "pipeline_bubble", None)
     return {"losses": losses.values, "logged": logged.train, "val": float(trainer.callback_metrics["val_loss"]),
-            "bubble": bubble}  # fmt: skip
+            "bubble": bubble, "norms": norms.values}  # fmt: skip
 
 
 def _single(rank: int, steps: int, accumulate: int = 1, batch: int = 8) -> dict[str, Any]:
@@ -75,7 +77,7 @@ def _pp2(rank: int, schedule: str, steps: int, accumulate: int = 1) -> dict[str,
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 def test_pp2_losses_equal_a_single_process_run_over_50_steps(schedule):
     """4 micro-batches of 2 through 2 stages; clipping by the norm over both; the logged loss and the validation
-    loss (computed on the last stage) reach rank 0."""
+    loss (computed on the last stage) reach rank 0; ``grad_norm`` gives every stage's norms on both ranks."""
     expected = run_on_ranks(_single, 50, world_size=1, init_process_group=False)[0]
     results = run_on_ranks(_pp2, schedule, 50, init_process_group=False)
     for r in results:
@@ -83,6 +85,7 @@ def test_pp2_losses_equal_a_single_process_run_over_50_steps(schedule):
         _assert_same(r["logged"], expected["logged"])
         assert abs(r["val"] - expected["val"]) / expected["val"] < 1e-4, (r["val"], expected["val"])
         assert 0.0 < r["bubble"] < 1.0, r["bubble"]
+        assert_same_norms(r["norms"], expected["norms"])
     assert results[0]["losses"] == results[1]["losses"]
 
 
@@ -108,6 +111,7 @@ def test_pp2_x_tp2_on_4_ranks_losses_equal_a_single_process_run_and_resume_exact
     expected = run_on_ranks(_single, 20, world_size=1, init_process_group=False)[0]
     for r in run_on_ranks(_pp2_tp2, 20, str(tmp_path), world_size=4, init_process_group=False):
         _assert_same(r["losses"], expected["losses"])
+        assert_same_norms(r["norms"], expected["norms"])
         assert abs(r["val"] - expected["val"]) / expected["val"] < 1e-4, (r["val"], expected["val"])
         assert r["resumed"] == r["losses"][10:], (r["resumed"], r["losses"][10:])
 

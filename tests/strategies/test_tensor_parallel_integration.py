@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from lightning_bigtrain.data import ShakespeareDataModule
 from lightning_bigtrain.models import CharGPT
 from lightning_bigtrain.strategies import ZeroStrategy
+from lightning_bigtrain.utilities import grad_norm
 from tests.helpers.distributed import run_on_ranks
 
 pytestmark = pytest.mark.integration
@@ -40,33 +41,61 @@ class Losses(L.Callback):
         self.values.append(float(trainer.strategy.reduce(outputs["loss"].detach(), reduce_op="mean")))
 
 
+class GradNorms(L.Callback):
+    """``grad_norm(pl_module, 2)`` before each of the first 3 optimizer steps (every parameter's key on every rank:
+    split ones, and under pipeline parallelism the other stages')."""
+
+    def __init__(self) -> None:
+        self.values: list[dict[str, float]] = []
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        if len(self.values) < 3:
+            self.values.append({k: float(v) for k, v in grad_norm(pl_module, 2).items()})
+
+
+def assert_same_norms(got: list[dict[str, float]], expected: list[dict[str, float]]) -> None:
+    assert len(got) == len(expected) == 3
+    for step, reference in zip(got, expected, strict=True):
+        assert step.keys() == reference.keys() and len(step) > 10
+        for key, value in reference.items():
+            assert step[key] == pytest.approx(value, rel=1e-4, abs=1e-7), key
+
+
 def _model() -> CharGPT:
     return CharGPT(block_size=32, n_layer=2, n_head=4, n_embd=64, dropout=0.0, warmup_steps=5)
 
 
-def _fit(devices: int, strategy: Any, steps: int, batch: int, accumulate: int = 1) -> tuple[list[float], Any]:
+def _fit(
+    devices: int, strategy: Any, steps: int, batch: int, accumulate: int = 1, norms: GradNorms | None = None
+) -> tuple[list[float], Any]:
     L.seed_everything(0, verbose=False)
     model = _model()
     losses = Losses()
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, limit_val_batches=0,
                         gradient_clip_val=0.5, enable_checkpointing=False, accumulate_grad_batches=accumulate,
-                        callbacks=[losses], **_QUIET)  # fmt: skip
+                        callbacks=[losses] + ([norms] if norms is not None else []), **_QUIET)  # fmt: skip
     data = (OneReplica if devices == 1 else ShakespeareDataModule)(block_size=32, batch_size=batch, subset=2048)
     trainer.fit(model, datamodule=data)
     return losses.values, trainer.strategy
 
 
 def _tp2(rank: int, steps: int) -> dict[str, Any]:
-    losses, strategy = _fit(2, ZeroStrategy(stage=3, tensor_parallel=2), steps, batch=8)
+    norms = GradNorms()
+    losses, strategy = _fit(2, ZeroStrategy(stage=3, tensor_parallel=2), steps, batch=8, norms=norms)
     from lightning_bigtrain.functional.tensor_parallel import sharded_fraction
 
     plan = strategy.tensor_parallel_plan
     return {"losses": losses, "fraction": sharded_fraction(strategy.lightning_module, plan),
-            "replicated": dict(plan.replicated)}  # fmt: skip
+            "replicated": dict(plan.replicated), "norms": norms.values}  # fmt: skip
 
 
 def _single(rank: int, steps: int, batch: int, accumulate: int = 1) -> list[float]:
     return _fit(1, "auto", steps, batch, accumulate)[0]
+
+
+def _single_norms(rank: int, steps: int, batch: int) -> tuple[list[float], list[dict[str, float]]]:
+    norms = GradNorms()
+    return _fit(1, "auto", steps, batch, norms=norms)[0], norms.values
 
 
 def _assert_same(got: list[float], expected: list[float]) -> None:
@@ -78,13 +107,15 @@ def _assert_same(got: list[float], expected: list[float]) -> None:
 
 
 def test_tp2_losses_equal_a_single_process_run_over_50_steps():
-    expected = run_on_ranks(_single, 50, 8, world_size=1, init_process_group=False)[0]
+    """And ``lightning_bigtrain.utilities.grad_norm`` of the split model is the single process's, on both ranks."""
+    expected, expected_norms = run_on_ranks(_single_norms, 50, 8, world_size=1, init_process_group=False)[0]
     results = run_on_ranks(_tp2, 50, init_process_group=False)
     for r in results:
         print(f"tp=2: {r['fraction']:.1%} of the transformer blocks' parameters split")
         assert r["fraction"] >= 0.8, r
         assert r["replicated"] == {}
         _assert_same(r["losses"], expected)
+        assert_same_norms(r["norms"], expected_norms)
     assert results[0]["losses"] == results[1]["losses"]
 
 
