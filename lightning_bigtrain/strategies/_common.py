@@ -204,3 +204,26 @@ def refuse_sparse_gradients(module: Any, who: str, instead: str) -> None:
             f"`{who}` cannot reduce the sparse gradients of {_listed(sparse)} (`sparse=True` embeddings): its gradient "
             f"buffers are dense. Make them dense (`sparse=False`; a dense gradient of the table), or use {instead}."
         )
+
+
+def apply_layer_sync(strategy: Any, who: str) -> None:
+    """``Trainer(sync_batchnorm=True)`` (or a ``LayerSync`` plugin) applied to the module when fitting, before it is
+    sharded or wrapped, as Lightning's DDP and FSDP apply it: Lightning's ``ModelParallelStrategy`` and
+    ``DeepSpeedStrategy``, which these strategies build on, ignored it, so the batch statistics stayed per rank,
+    silently. On CPU ranks torch's GPU-only ``nn.SyncBatchNorm`` is replaced by ``GlooSyncBatchNorm``'s layer. The
+    layers stay synchronized after fit (in evaluation they are plain batch normalization; checkpoints keep the keys)."""
+    from lightning_bigtrain.plugins.layer_sync import layer_sync_for
+
+    sync = layer_sync_for(strategy._layer_sync, strategy.root_device.type)
+    strategy._layer_sync = sync
+    if sync is None:
+        return
+    split = getattr(strategy, "tensor_parallel", 1) > 1 or getattr(strategy, "pipeline_parallel", 1) > 1
+    if split:
+        raise ValueError(
+            f"`Trainer(sync_batchnorm=True)` under `{who}` with tensor or pipeline parallelism: the ranks of a "
+            "tensor-parallel group see the same samples and a pipeline's stages hold different layers, so the "
+            "statistics cannot be synchronized over the world. Use data parallelism alone (stages 1-3), or leave it "
+            "off."
+        )
+    strategy.model = sync.apply(strategy.model)

@@ -21,6 +21,7 @@ from lightning_bigtrain.engines.auto_compression import AutoCompression
 from lightning_bigtrain.engines.compression import GradientCompression, NodeGroups
 from lightning_bigtrain.engines.onebit_adam import CompressedMomentumAdam, OneBitAdam, phase_hook
 from lightning_bigtrain.functional.compression import COMPRESSION_NAMES, Compressor, Quantize
+from lightning_bigtrain.plugins.layer_sync import layer_sync_for
 from lightning_bigtrain.strategies._common import refuse_sparse_gradients
 from lightning_bigtrain.strategies._compression import (
     CHECKPOINT_KEY,
@@ -229,6 +230,8 @@ class CompressedDDPStrategy(FaultTolerantStrategyMixin, DDPStrategy):
 
     @override
     def setup(self, trainer: L.Trainer) -> None:
+        # Lightning's DDP applies the layer sync itself; torch's nn.SyncBatchNorm is refused in a CPU module.
+        self._layer_sync = layer_sync_for(self._layer_sync, self.root_device.type)
         super().setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
         self._trainable = TrainableWatch(self.lightning_module) if fitting else None

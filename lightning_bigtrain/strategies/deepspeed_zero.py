@@ -40,6 +40,7 @@ from lightning_bigtrain.strategies._common import (
     RNG_KEY,
     ZeroCommon,
     _listed,
+    apply_layer_sync,
     refuse_sparse_gradients,
 )
 from lightning_bigtrain.strategies._compression import resolve_compression
@@ -394,6 +395,7 @@ class DeepSpeedZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, DeepSpeedStr
         if trainer.state.fn == TrainerFn.FITTING:
             refuse_sparse_gradients(self.model, f"DeepSpeedZeroStrategy(stage={self.stage})",
                                     "`ZeroStrategy(stage=1)` or Lightning's DDP")  # fmt: skip
+            apply_layer_sync(self, f"DeepSpeedZeroStrategy(stage={self.stage})")
         from lightning.pytorch.callbacks import LearningRateFinder, ModelPruning
 
         for callback in getattr(trainer, "callbacks", []):

@@ -65,6 +65,7 @@ from lightning_bigtrain.functional.tensor_parallel import (
 from lightning_bigtrain.strategies._common import (
     RNG_KEY,
     ZeroCommon,
+    apply_layer_sync,
     refuse_sparse_gradients,
 )
 from lightning_bigtrain.strategies._compression import (
@@ -410,6 +411,8 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
                 "setup in flat partitions of the parameters trainable then. Use stage=3 (sharded per parameter: "
                 "unfreezing works, the replicas stay identical)."
             )
+        if trainer.state.fn == TrainerFn.FITTING:
+            apply_layer_sync(self, f"ZeroStrategy(stage={self.stage})")
         self._fix_host_allocator(self.root_device.type == "cpu" or self.offload_optimizer)
         self._rng_seed = torch.initial_seed()  # replaced by the checkpoint's on resume
         self._swapped_attention = []
