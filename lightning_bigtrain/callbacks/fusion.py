@@ -224,8 +224,8 @@ class OperatorFusion(L.Callback):
         for optimizer in trainer.optimizers:
             reason = supports_fused(optimizer)
             if reason is not None:
-                warn_once(f"OperatorFusion(fused_optimizer=True) left {type(optimizer).__name__} as it is: {reason}.",
-                          NoEffectWarning)  # fmt: skip
+                name = type(optimizer).__qualname__
+                warn_once(f"OperatorFusion(fused_optimizer=True) left {name} as it is: {reason}.", NoEffectWarning)
                 fused.append(optimizer)
                 continue
             new = fuse_optimizer(optimizer)

@@ -126,6 +126,19 @@ def flat_grad_part(param: torch.Tensor) -> tuple[torch.Tensor, Any] | None:
     return local[a - lo : z - lo] if a < z else local[:0], engine.group
 
 
+_NAMED: dict[type, type[FlatShardedOptimizer]] = {}
+
+
+def _named_after(inner: type) -> type[FlatShardedOptimizer]:
+    """The subclass of :class:`FlatShardedOptimizer` named as ``inner`` (one per optimizer class, so that two wrapped
+    AdamWs are one type, as Lightning's ``lr-AdamW`` and ``lr-AdamW-1`` count them)."""
+    named = _NAMED.get(inner)
+    if named is None:
+        attrs = {"__module__": __name__, "__qualname__": f"FlatShardedOptimizer[{inner.__qualname__}]"}
+        named = _NAMED[inner] = type(inner.__name__, (FlatShardedOptimizer,), attrs)
+    return named
+
+
 def _from_local(local: torch.Tensor, mesh: Any, numel: int) -> Any:
     """``local`` as this rank's 1-D shard of a ``numel``-long DTensor over ``mesh``."""
     from torch.distributed.tensor import DTensor, Shard
@@ -191,7 +204,16 @@ class FlatShardedOptimizer(torch.optim.Optimizer):
 
     Raises:
         TypeError: The optimizer is not element-wise, or cannot be rebuilt from its ``defaults``.
+
+    An instance is of a subclass named as the wrapped optimizer's class (``type(flat).__name__ == "AdamW"``,
+    ``__qualname__`` ``FlatShardedOptimizer[AdamW]``): what Lightning names it by, in ``LearningRateMonitor``'s
+    ``lr-AdamW`` (it logged ``lr-FlatShardedOptimizer`` under stages 1-2, another metric than under DDP).
     """
+
+    def __new__(cls, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> FlatShardedOptimizer:
+        if cls is FlatShardedOptimizer:
+            cls = _named_after(type(optimizer))
+        return super().__new__(cls)
 
     def __init__(
         self,

@@ -15,7 +15,7 @@ def supports_fused(optimizer: torch.optim.Optimizer) -> str | None:
     """Why ``optimizer`` cannot be rebuilt with ``fused=True`` (None when it can)."""
     cls = type(optimizer)
     if "fused" not in inspect.signature(cls.__init__).parameters:
-        return f"{cls.__name__} has no fused implementation"
+        return f"{cls.__qualname__} has no fused implementation"
     if optimizer.defaults.get("differentiable"):
         return "differentiable optimizers cannot be fused"
     for group in optimizer.param_groups:

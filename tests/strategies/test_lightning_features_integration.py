@@ -307,3 +307,50 @@ def test_lightnings_model_pruning_and_replaced_weights_at_stages_1_and_2_refused
     assert "`ModelPruning` under `ZeroStrategy(stage=3, ...)`" in message and "MagnitudePruning" in message
     assert "use_lottery_ticket_hypothesis=False" in out["ds2/pruning"]
     assert "`net.0.weight`, `net.2.weight` was replaced since setup" in out["ds2/reinit"]
+
+
+def _learning_rates(rank: int, root: str, names: list[str]) -> dict[str, list[str]]:
+    """LearningRateMonitor's metric names: two AdamWs, one with a scheduler, one without."""
+    from lightning.pytorch.callbacks import LearningRateMonitor
+    from lightning.pytorch.loggers import CSVLogger
+
+    class TwoOptimizers(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+            self.a, self.b = torch.nn.Linear(4, 64), torch.nn.Linear(64, 2)
+
+        def training_step(self, batch, batch_idx):
+            first, second = self.optimizers()
+            loss = self.b(self.a(batch[0])).square().mean()
+            self.manual_backward(loss)
+            first.step()
+            second.step()
+            first.zero_grad()
+            second.zero_grad()
+            self.lr_schedulers().step()
+
+        def configure_optimizers(self):
+            first = torch.optim.AdamW(self.a.parameters(), lr=0.1)
+            second = torch.optim.AdamW(self.b.parameters(), lr=0.2)
+            return [first, second], [torch.optim.lr_scheduler.StepLR(first, 1, 0.5)]
+
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(16, 4)), batch_size=4)
+    out = {}
+    for name in names:
+        logger = CSVLogger(os.path.join(root, name))
+        trainer = L.Trainer(strategy=strategy(name), max_steps=2, callbacks=[LearningRateMonitor("step")],
+                            **{**_QUIET, "logger": logger}, log_every_n_steps=1)  # fmt: skip
+        trainer.fit(TwoOptimizers(), data)
+        logger.save()
+        out[name] = sorted(k for k in logger.experiment.metrics_keys if k.startswith("lr-")) if rank == 0 else []
+    return out
+
+
+def test_learning_rate_monitor_names_the_users_optimizers_as_under_ddp(tmp_path):
+    """Stages 1-2 logged ``lr-FlatShardedOptimizer`` and ``lr-FlatShardedOptimizer-1`` (the wrapper's class name)."""
+    names = ["ddp", "zero1", "zero2", "zero3"]
+    r = run_on_ranks(_learning_rates, str(tmp_path), names, init_process_group=False)[0]
+    assert r["ddp"] == ["lr-AdamW", "lr-AdamW-1"], r["ddp"]
+    for name in names:
+        assert r[name] == r["ddp"], (name, r[name])
