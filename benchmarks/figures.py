@@ -333,6 +333,12 @@ BLOCKS: dict[str, Block] = {
         Block("zero", _module("benchmarks.zero"), ("docs/zero.md",), ("zero.json",)),
         Block("zero-memory", _module("benchmarks.zero_memory"), ("docs/zero.md",), ("zero_memory.json",)),
         Block(
+            "activation-checkpointing",
+            _module("benchmarks.activation_checkpointing"),
+            ("docs/zero.md",),
+            ("activation_checkpointing.json",),
+        ),
+        Block(
             "zero-fits",
             _module("benchmarks.zero_memory", "render_fits_block"),
             ("docs/zero.md",),

@@ -76,17 +76,38 @@ STRATEGY_NAMES = {
 }
 
 
-def strategy_config(row: str) -> str | dict[str, Any]:
+def strategy_config(row: str, activation_checkpointing: bool = False) -> str | dict[str, Any]:
     """How ``bigtrain fit`` names a plan row's strategy: a registered name, or for ``zero{S}_tp{T}[_sp]`` /
-    ``zero{S}_pp{P}`` the class with its arguments (only some degrees are registered)."""
+    ``zero{S}_pp{P}`` the class with its arguments (only some degrees are registered). With
+    ``activation_checkpointing`` (a plan that counted it) the ZeRO rows' class with ``activation_checkpointing=True``,
+    so that the run checkpoints the blocks the plan's memory assumed checkpointed.
+
+    Raises:
+        ValueError: ``"ddp"`` with ``activation_checkpointing``: Lightning's DDP does not checkpoint activations.
+    """
     match = re.fullmatch(r"zero([123])_(tp|pp)(\d+)(_sp)?", row)
+    args: dict[str, Any]
     if match:
         key = "tensor_parallel" if match.group(2) == "tp" else "pipeline_parallel"
-        args: dict[str, Any] = {"stage": int(match.group(1)), key: int(match.group(3))}
+        args = {"stage": int(match.group(1)), key: int(match.group(3))}
         if match.group(4):
             args["sequence_parallel"] = True
-        return {"class_path": "lightning_bigtrain.strategies.ZeroStrategy", "init_args": args}
-    return STRATEGY_NAMES[row]
+    elif activation_checkpointing and row.startswith("zero"):
+        stage = int(row[4])
+        args = {"stage": stage}
+        if row.endswith("_offload"):
+            args.update(offload_optimizer=True, offload_params=stage == 3)
+    elif activation_checkpointing:
+        raise ValueError(
+            f"Plan row {row!r} with activation checkpointing: Lightning's DDP does not checkpoint activations. "
+            "Take a ZeRO row (`ZeroStrategy(stage=1, activation_checkpointing=True)` keeps DDP's replicated "
+            "parameters), or checkpoint the blocks in the model yourself (torch.utils.checkpoint)."
+        )
+    else:
+        return STRATEGY_NAMES[row]
+    if activation_checkpointing:
+        args["activation_checkpointing"] = True
+    return {"class_path": "lightning_bigtrain.strategies.ZeroStrategy", "init_args": args}
 
 
 # Bytes per element of (parameters, gradients, each fp32-state element) held by the strategies per precision.
@@ -229,7 +250,8 @@ class Plan:
             devices = self.cluster.devices if devices is None else devices
             num_nodes = self.cluster.num_nodes if num_nodes is None else num_nodes
         config: dict[str, Any] = {"devices": devices, "num_nodes": num_nodes,
-                                  "strategy": strategy_config(self.recommendation)}  # fmt: skip
+                                  "strategy": strategy_config(self.recommendation,
+                                                              self.activation_checkpointing)}  # fmt: skip
         if self.precision.startswith("bigtrain-bf16-"):
             # BF16Precision is a plugin; Lightning refuses it together with a `precision=` flag.
             compensation = self.precision.removeprefix("bigtrain-bf16-")
@@ -1030,6 +1052,13 @@ def _plan(model_or_num_params: nn.Module | int, cluster: Cluster, workload: Work
     # A pipeline row's bubble costs compute time, which the planner does not model: it is recommended only when
     # nothing else fits.
     fitting = [r for r in rows.values() if r.fits and not r.bubble_fraction] or [r for r in rows.values() if r.fits]
+    if activation_checkpointing and any(r.strategy == "ddp" for r in fitting):
+        # Its row counts the activations checkpointed, which Lightning's DDP does not do (ZeroStrategy does).
+        fitting = [r for r in fitting if r.strategy != "ddp"]
+        notes.append(
+            "ddp is not recommended with activation checkpointing: Lightning's DDP does not checkpoint activations "
+            "(its row assumes the model does); the ZeRO rows' strategies do (activation_checkpointing=True)"
+        )
     recommendation = None
     if fitting:
         # The fastest; among those within 2% of it, the simplest (the first in STRATEGIES order).
@@ -1040,7 +1069,8 @@ def _plan(model_or_num_params: nn.Module | int, cluster: Cluster, workload: Work
         notes.append(
             f"nothing fits in {_gib(memory)} GiB per device; the smallest is {smallest.strategy} at "
             f"{_gib(smallest.peak_bytes)} GiB: use devices with at least that much memory, more devices "
-            f"(model states shrink with N under zero3), activation checkpointing, a smaller batch"
+            f"(model states shrink with N under zero3), activation checkpointing (`--activation-checkpointing`: "
+            f"the strategies' activation_checkpointing=True), a smaller batch"
             + ("" if host_limit is None else f", or more host memory for offloading ({_gib(host_limit)} GiB given)")
         )
     faster = [r for r in compressed.values() if r.fits and recommendation is not None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from lightning_bigtrain.functional.activation_checkpoint import ActivationCheckpointing
 from lightning_bigtrain.functional.compression import Compressor
 from lightning_bigtrain.strategies.deepspeed_zero import DeepSpeedZeroStrategy
 from lightning_bigtrain.strategies.options import DeepSpeedOptions, Engine, ZeroOptions, resolve_engine
@@ -27,6 +28,7 @@ def zero_strategy(
     compression: Compressor | str | None = None,
     options: ZeroOptions | None = None,
     deepspeed: DeepSpeedOptions | None = None,
+    activation_checkpointing: ActivationCheckpointing = False,
 ) -> ZeroStrategy | DeepSpeedZeroStrategy:
     """A ZeRO strategy on the engine ``engine`` names: :class:`ZeroStrategy` (``"torch"``) or
     :class:`DeepSpeedZeroStrategy` (``"deepspeed"``); ``"auto"`` takes DeepSpeed's engine when
@@ -43,12 +45,14 @@ def zero_strategy(
         compression: As in both classes (DeepSpeed's engine takes ``Cast`` only).
         options: :class:`ZeroOptions`.
         deepspeed: :class:`DeepSpeedOptions` (DeepSpeed's engine only; given to the torch engine, refused).
+        activation_checkpointing: As in both classes: True (the repeated blocks) or the block classes.
     """
     common: dict[str, Any] = {
         "offload_optimizer": offload_optimizer,
         "offload_params": offload_params,
         "compression": compression,
         "options": options,
+        "activation_checkpointing": activation_checkpointing,
     }
     if resolve_engine(engine, stage=stage, deepspeed=deepspeed) == "deepspeed":
         if min_wrap_params is not None:

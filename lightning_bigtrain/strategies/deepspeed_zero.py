@@ -25,6 +25,11 @@ from typing_extensions import override
 
 from lightning_bigtrain._compat import _IS_INTERACTIVE, weight_averaging_callbacks
 from lightning_bigtrain.checkpointing import atomic_folder_save, load_path
+from lightning_bigtrain.functional.activation_checkpoint import (
+    ActivationCheckpointing,
+    check_activation_checkpointing,
+    checkpoint_blocks_,
+)
 from lightning_bigtrain.functional.compression import Cast, Compressor
 from lightning_bigtrain.functional.materialize import (
     Materialized,
@@ -222,6 +227,10 @@ class DeepSpeedZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, DeepSpeedStr
             ``broadcast_buffers=True`` (the default) they are broadcast before every training step, as the
             torch engine and DDP do, so BatchNorm statistics agree on every rank.
         deepspeed: :class:`DeepSpeedOptions`, DeepSpeed's own knobs and the raw ``config`` override.
+        activation_checkpointing: As in :class:`~lightning_bigtrain.strategies.ZeroStrategy`: True (the repeated
+            blocks) or the block classes, checkpointed with torch's composable ``checkpoint`` (the recomputation
+            gathers stage 3's partitioned parameters again through DeepSpeed's hooks). DeepSpeed's own
+            ``deepspeed.checkpointing`` (partitioned activations) is not used.
     """
 
     strategy_name = "bigtrain_deepspeed_zero"
@@ -236,6 +245,7 @@ class DeepSpeedZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, DeepSpeedStr
         compression: Compressor | str | None = None,
         options: ZeroOptions | None = None,
         deepspeed: DeepSpeedOptions | None = None,
+        activation_checkpointing: ActivationCheckpointing = False,
     ) -> None:
         if not deepspeed_available():
             raise ImportError(
@@ -308,6 +318,9 @@ class DeepSpeedZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, DeepSpeedStr
             logging_level=30,  # WARNING
         )
         self.stage = stage
+        self.activation_checkpointing = check_activation_checkpointing(activation_checkpointing,
+                                                                       "DeepSpeedZeroStrategy")  # fmt: skip
+        self.checkpointed_blocks: list[str] = []  # names of the blocks activation checkpointing applies to
         self.offload_optimizer = offload_optimizer or offload_params
         self.offload_params = offload_params
         self.compression = compressor
@@ -396,6 +409,9 @@ class DeepSpeedZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, DeepSpeedStr
             refuse_sparse_gradients(self.model, f"DeepSpeedZeroStrategy(stage={self.stage})",
                                     "`ZeroStrategy(stage=1)` or Lightning's DDP")  # fmt: skip
             apply_layer_sync(self, f"DeepSpeedZeroStrategy(stage={self.stage})")
+            assert self.model is not None
+            self.checkpointed_blocks = checkpoint_blocks_(self.model, self.activation_checkpointing,
+                                                          "DeepSpeedZeroStrategy")  # fmt: skip
         from lightning.pytorch.callbacks import LearningRateFinder, ModelPruning
 
         for callback in getattr(trainer, "callbacks", []):

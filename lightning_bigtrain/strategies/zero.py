@@ -38,6 +38,11 @@ from lightning_bigtrain.checkpointing import (
 )
 from lightning_bigtrain.engines.compression import GradientCompression
 from lightning_bigtrain.engines.flat_shard import FlatGradScaler, FlatShardedOptimizer, norm_parameters
+from lightning_bigtrain.functional.activation_checkpoint import (
+    ActivationCheckpointing,
+    check_activation_checkpointing,
+    checkpoint_blocks_,
+)
 from lightning_bigtrain.functional.compression import Cast, Compressor
 from lightning_bigtrain.functional.materialize import has_meta_tensors, init_records, materialize_, record_init
 from lightning_bigtrain.functional.memory import model_state_bytes
@@ -185,6 +190,11 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
             ``pipeline_parallel`` >= 2.
         deepspeed: Refused here (DeepSpeed's knobs belong to
             :class:`~lightning_bigtrain.strategies.DeepSpeedZeroStrategy`); kept so that the error says so.
+        activation_checkpointing: Recompute activations in backward instead of keeping them (Chen et al., 2016):
+            True checkpoints the model's repeated blocks (its transformer layers: what ``plan(...,
+            activation_checkpointing=True)`` counts), or give the block classes (``{MyBlock}``). Each block then
+            keeps only its input through forward; its forward runs twice. Gradients are those of the run without
+            it (dropout replays its masks). Applied when fitting, before sharding, under every layout.
     """
 
     strategy_name = "bigtrain_zero"
@@ -205,6 +215,7 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         sequence_parallel: bool = False,
         pipeline_parallel: int = 1,
         pipeline: PipelineOptions | None = None,
+        activation_checkpointing: ActivationCheckpointing = False,
     ) -> None:
         if engine != "torch" or deepspeed is not None:
             given = f"engine={engine!r}" if engine != "torch" else "deepspeed=DeepSpeedOptions(...)"
@@ -266,6 +277,8 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         self.offload_optimizer = offload_optimizer or offload_params
         self.offload_params = offload_params
         self.min_wrap_params = min_wrap_params
+        self.activation_checkpointing = check_activation_checkpointing(activation_checkpointing, "ZeroStrategy")
+        self.checkpointed_blocks: list[str] = []  # names of the blocks activation checkpointing applies to
         self._sharded_root = False  # FSDP2 shards the LightningModule itself (set in setup)
         self._root_hooks: list[Any] = []  # manual optimization on a sharded root: regather_root_in_step_'s hooks
         self.options = options
@@ -413,6 +426,7 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
             )
         if trainer.state.fn == TrainerFn.FITTING:
             apply_layer_sync(self, f"ZeroStrategy(stage={self.stage})")
+            self.checkpointed_blocks = checkpoint_blocks_(self.model, self.activation_checkpointing, "ZeroStrategy")
         self._fix_host_allocator(self.root_device.type == "cpu" or self.offload_optimizer)
         self._rng_seed = torch.initial_seed()  # replaced by the checkpoint's on resume
         self._swapped_attention = []

@@ -1,0 +1,94 @@
+"""Activation checkpointing of a model's blocks: each keeps only its input through forward and recomputes its
+activations in backward (Chen et al., 2016, "Training Deep Nets with Sublinear Memory Cost").
+
+Applied with torch's composable ``checkpoint`` (forward pre/post hooks, non-reentrant): the module tree, the
+parameter names and the state-dict keys stay as they are, and the recomputation calls the block whole, hooks
+included, so FSDP2 (ZeRO-3) and DeepSpeed's stage 3 gather its parameters again as in the first forward. The
+random state is replayed, so dropout draws the same masks in the recomputation: gradients are those of the run
+without checkpointing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from torch import nn
+
+__all__ = ["ActivationCheckpointing", "check_activation_checkpointing", "checkpoint_blocks_"]
+
+#: What ``activation_checkpointing=`` takes: True (the repeated blocks, as the planner counts them), False, or the
+#: block classes to checkpoint (every outermost submodule of one of them).
+ActivationCheckpointing = bool | type[nn.Module] | Iterable[type[nn.Module]]
+
+
+def check_activation_checkpointing(value: Any, owner: str) -> bool | tuple[type[nn.Module], ...]:
+    """``value`` validated at construction: a bool, or a tuple of ``nn.Module`` subclasses."""
+    if isinstance(value, bool):
+        return value
+    classes = (value,) if isinstance(value, type) else tuple(value) if isinstance(value, Iterable) else None
+    if not classes or not all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
+        raise TypeError(
+            f"`{owner}(activation_checkpointing={value!r})`: give True (checkpoint the model's repeated blocks: "
+            "its transformer layers), False, or the block classes to checkpoint (e.g. `{MyBlock}`, "
+            "`{GPT2Block}`)."
+        )
+    return classes
+
+
+def checkpoint_blocks_(model: nn.Module, which: bool | tuple[type[nn.Module], ...], owner: str) -> list[str]:
+    """Checkpoint ``model``'s blocks in place; returns their names. ``which=True``: the repeated blocks (children of
+    a container whose class occurs at least twice there, the sharding units' rule; what ``plan(...,
+    activation_checkpointing=True)`` counts); a tuple of classes: the outermost submodules of those classes. A block
+    checkpointed already (a second ``fit``) is left as it is.
+
+    Raises:
+        ValueError: Nothing to checkpoint: no repeated blocks, or no submodule of the given classes.
+    """
+    from torch.distributed._composable import checkpoint
+    from torch.distributed._composable.contract import _get_registry
+
+    if which is False:
+        return []
+    if which is True:
+        from lightning_bigtrain.functional.sharding import auto_wrap_targets
+
+        blocks = [b for b in auto_wrap_targets(model, min_params=1) if _is_repeated(model, b)]
+        if not blocks:
+            raise ValueError(
+                f"`{owner}(activation_checkpointing=True)` found no repeated blocks in {type(model).__name__} "
+                "(children of a ModuleList/Sequential of one class, such as transformer layers). Give the classes to "
+                "checkpoint: `activation_checkpointing={MyBlock}`."
+            )
+    else:
+        inside: set[int] = set()
+        blocks = []
+        for module in model.modules():
+            if id(module) in inside:
+                continue
+            if isinstance(module, which) and module is not model:
+                blocks.append(module)
+                inside.update(id(m) for m in module.modules())
+        if not blocks:
+            listed = ", ".join(c.__name__ for c in which)
+            raise ValueError(
+                f"`{owner}(activation_checkpointing={{{listed}}})`: {type(model).__name__} has no submodule of "
+                f"{'that class' if len(which) == 1 else 'those classes'}. Give classes of its blocks, or True (its "
+                "repeated blocks)."
+            )
+    names = {id(m): n for n, m in model.named_modules()}
+    for block in blocks:
+        if "checkpoint" not in (_get_registry(block) or {}):
+            checkpoint(block)
+    return [names[id(b)] for b in blocks]
+
+
+def _is_repeated(model: nn.Module, block: nn.Module) -> bool:
+    """Whether ``block`` is one of several children of one class in a container (not a large lone submodule, which
+    ``auto_wrap_targets`` also returns when no block repeats)."""
+    for parent in model.modules():
+        if isinstance(parent, (nn.ModuleList, nn.Sequential, nn.ModuleDict)):
+            children = list(parent.children())
+            if any(c is block for c in children):
+                return sum(type(c) is type(block) for c in children) >= 2
+    return False

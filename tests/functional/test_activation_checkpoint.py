@@ -1,0 +1,70 @@
+"""Activation checkpointing of a model's blocks (functional/activation_checkpoint.py) on one process, and the
+planner's config for a plan that counted it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_bigtrain.functional.activation_checkpoint import check_activation_checkpointing, checkpoint_blocks_
+from lightning_bigtrain.models import CharGPT
+from lightning_bigtrain.planning import plan
+from lightning_bigtrain.planning.planner import strategy_config
+
+
+def _gpt() -> CharGPT:
+    torch.manual_seed(0)
+    return CharGPT(vocab_size=32, block_size=16, n_layer=3, n_head=2, n_embd=32, dropout=0.2)
+
+
+def _grads(model: CharGPT, x: torch.Tensor) -> list[torch.Tensor]:
+    torch.manual_seed(1)  # the dropout masks
+    logits = model(x)
+    nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), x.reshape(-1)).backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def test_checkpointed_blocks_give_the_same_gradients_and_keep_the_names():
+    plain, checkpointed = _gpt(), _gpt()
+    keys = list(plain.state_dict())
+    assert checkpoint_blocks_(checkpointed, True, "ZeroStrategy") == ["blocks.0", "blocks.1", "blocks.2"]
+    assert list(checkpointed.state_dict()) == keys
+    x = torch.randint(0, 32, (4, 16))
+    for a, b in zip(_grads(plain, x), _grads(checkpointed, x), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)  # dropout replayed in the recomputation
+    assert checkpoint_blocks_(checkpointed, True, "ZeroStrategy") == ["blocks.0", "blocks.1", "blocks.2"]  # again: kept
+    with torch.no_grad(), torch.inference_mode():
+        checkpointed.eval()(x)  # evaluation runs through the hooks
+
+
+def test_block_classes_take_the_outermost_modules_and_bad_choices_are_refused():
+    model = nn.Sequential(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), nn.Linear(4, 2))
+    assert checkpoint_blocks_(model, (nn.Sequential,), "ZeroStrategy") == ["0"]
+    assert checkpoint_blocks_(nn.Sequential(nn.Linear(4, 4)), False, "ZeroStrategy") == []
+    with pytest.raises(ValueError, match=r"activation_checkpointing=\{GRU\}.*no submodule of that class"):
+        checkpoint_blocks_(_gpt(), (nn.GRU,), "ZeroStrategy")
+    with pytest.raises(ValueError, match=r"activation_checkpointing=True\)` found no repeated blocks in Sequential"):
+        checkpoint_blocks_(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), True, "ZeroStrategy")
+    assert check_activation_checkpointing(nn.Linear, "ZeroStrategy") == (nn.Linear,)
+    assert check_activation_checkpointing({nn.Linear}, "ZeroStrategy") == (nn.Linear,)
+    for bad in ("yes", [int], set(), 1):
+        with pytest.raises(TypeError, match=r"ZeroStrategy\(activation_checkpointing="):
+            check_activation_checkpointing(bad, "ZeroStrategy")
+
+
+def test_a_plan_counting_activation_checkpointing_configures_the_strategy_to_do_it():
+    """`bigtrain plan --activation-checkpointing` wrote `strategy: bigtrain_zero3`: the run kept every activation the
+    plan counted as recomputed."""
+    assert strategy_config("zero3") == "bigtrain_zero3"
+    assert strategy_config("zero3", True)["init_args"] == {"stage": 3, "activation_checkpointing": True}
+    assert strategy_config("zero3_offload", True)["init_args"] == {
+        "stage": 3, "offload_optimizer": True, "offload_params": True, "activation_checkpointing": True}  # fmt: skip
+    assert strategy_config("zero1_pp2", True)["init_args"]["activation_checkpointing"] is True
+    with pytest.raises(ValueError, match="Lightning's DDP does not checkpoint activations"):
+        strategy_config("ddp", True)
+    model = _gpt()
+    result = plan(model, devices=2, batch_shape=(4, 16), accelerator="cpu", activation_checkpointing=True)
+    assert result.recommendation != "ddp"
+    strategy = result.trainer_config()["strategy"]
+    assert strategy["init_args"]["activation_checkpointing"] is True, strategy
