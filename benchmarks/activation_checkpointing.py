@@ -6,7 +6,8 @@ The ZeRO benchmarks' char-GPT (25M parameters, 8 layers, width 512; ``--quick``:
 Shakespeare at batch 8 of 256 characters per rank, world size 2 (CPU, gloo), fp32 AdamW, under
 ``ZeroStrategy(stage=3)`` and ``DeepSpeedZeroStrategy(3)``, each without and with ``activation_checkpointing=True``
 (the peer of a checkpointed run is the same run keeping its activations). Each run is a fresh process pair
-(``RunReport``): peak RSS per rank and samples/s after a warm-up step. Beside them, the planner's activation bytes for
+(``RunReport``): peak RSS per rank and samples/s after a warm-up step, medians over ``--repeats`` runs of each,
+alternating the order. Beside them, the planner's activation bytes for
 the same model and batch, without and with checkpointing (``plan(..., activation_checkpointing=...)``): what it
 predicts the option saves, against the saving measured. Rendered into docs/zero.md by :func:`render_block`.
 """
@@ -16,10 +17,20 @@ from __future__ import annotations
 import argparse
 import json
 import warnings
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import RESULTS_DIR, command_line, print_table, ratio, run_worker, write_results
+from benchmarks.common import (
+    RESULTS_DIR,
+    alternate,
+    command_line,
+    print_table,
+    ratio,
+    run_worker,
+    summarize,
+    write_results,
+)
 
 LAYOUTS = ("zero3", "ds3")
 BATCH, BLOCK = 8, 256
@@ -80,6 +91,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS))
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each configuration, alternating the order")
     parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--checkpointing", action="store_true", help=argparse.SUPPRESS)
@@ -90,28 +102,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return {}
     planned = _planned(args.quick)
     figures: dict[str, Any] = {}
+    module = "benchmarks.activation_checkpointing"
     for layout in args.layouts:
-        runs = {}
-        for checkpointing in (False, True):
-            flags = ["--worker", layout, "--steps", str(args.steps)] + ["--quick"] * args.quick
-            runs[checkpointing] = run_worker("benchmarks.activation_checkpointing",
-                                             flags + ["--checkpointing"] * checkpointing)  # fmt: skip
-        plain, checkpointed = runs[False], runs[True]
-        peak_plain, peak_ckpt = (
-            max(plain["peak_memory_bytes_per_rank"]),
-            max(checkpointed["peak_memory_bytes_per_rank"]),
-        )
+        flags = ["--worker", layout, "--steps", str(args.steps)] + ["--quick"] * args.quick
+        runs = alternate({"plain": partial(run_worker, module, flags),
+                          "checkpointed": partial(run_worker, module, [*flags, "--checkpointing"])},
+                         args.repeats)  # fmt: skip
+        peaks = {k: summarize([max(r["peak_memory_bytes_per_rank"]) for r in v]) for k, v in runs.items()}
+        speeds = {k: summarize([r["samples_per_s"] for r in v]) for k, v in runs.items()}
+        peak_plain, peak_ckpt = peaks["plain"]["median"], peaks["checkpointed"]["median"]
         figures[layout] = {
             "peak_bytes_plain": peak_plain,
             "peak_bytes_checkpointed": peak_ckpt,
             "saved_bytes": peak_plain - peak_ckpt,
             "peak_ratio": ratio(peak_ckpt, peak_plain),
-            "samples_per_s_plain": plain["samples_per_s"],
-            "samples_per_s_checkpointed": checkpointed["samples_per_s"],
-            "step_time_ratio": ratio(plain["samples_per_s"], checkpointed["samples_per_s"]),
-            "loss_end_plain": plain["train_loss_end"],
-            "loss_end_checkpointed": checkpointed["train_loss_end"],
-            "checkpointed_blocks": checkpointed["checkpointed_blocks"],
+            "peak_bytes": peaks,
+            "samples_per_s": speeds,
+            "step_time_ratio": ratio(speeds["plain"]["median"], speeds["checkpointed"]["median"]),
+            "loss_end": {k: [r["train_loss_end"] for r in v] for k, v in runs.items()},
+            "checkpointed_blocks": runs["checkpointed"][0]["checkpointed_blocks"],
         }
         f = figures[layout]
         print(f"{layout}: peak RSS {peak_plain / 2**20:.0f} -> {peak_ckpt / 2**20:.0f} MiB per rank, "
@@ -123,7 +132,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     table = print_table(rows, list(rows[0]))
     headline = ", ".join(f"{k}: peak x{f['peak_ratio']:.2f}, step time x{f['step_time_ratio']:.2f}"
                          for k, f in figures.items())  # fmt: skip
-    payload = {"config": {"quick": args.quick, "steps": args.steps, "world_size": 2, "batch": [BATCH, BLOCK]},
+    payload = {"config": {"quick": args.quick, "steps": args.steps, "repeats": args.repeats, "world_size": 2,
+                          "batch": [BATCH, BLOCK]},
                "planned_activation_bytes": planned, "figures": figures, "table": table}  # fmt: skip
     path = write_results("activation_checkpointing", payload, headline, args.results_dir,
                          command=command_line("benchmarks.activation_checkpointing", argv))  # fmt: skip
@@ -147,7 +157,8 @@ def render_block(results_dir: Path = RESULTS_DIR) -> str:
     lines += ["", f"The planner's activation bytes per rank for this model and batch: "
               f"{sig(planned['plain'] / 2**20)} MiB, checkpointed {sig(planned['checkpointed'] / 2**20)} MiB "
               f"(it predicts {sig((planned['plain'] - planned['checkpointed']) / 2**20)} MiB freed). Step time: "
-              "checkpointed over plain, from samples/s after a warm-up step."]  # fmt: skip
+              f"checkpointed over plain, medians of samples/s after a warm-up step over {r['config']['repeats']} "
+              "alternating runs each."]  # fmt: skip
     return "\n".join(lines)
 
 
