@@ -254,6 +254,7 @@ class DeepSpeedZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, DeepSpeedStr
             )
         check_stage(stage, offload_params=offload_params, owner="DeepSpeedZeroStrategy")
         options = check_options(options, "DeepSpeedZeroStrategy")
+        checkpointing = check_activation_checkpointing(activation_checkpointing, "DeepSpeedZeroStrategy")
         ds = DeepSpeedOptions() if deepspeed is None else deepspeed
         if not isinstance(ds, DeepSpeedOptions):
             raise TypeError(
@@ -318,8 +319,7 @@ class DeepSpeedZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, DeepSpeedStr
             logging_level=30,  # WARNING
         )
         self.stage = stage
-        self.activation_checkpointing = check_activation_checkpointing(activation_checkpointing,
-                                                                       "DeepSpeedZeroStrategy")  # fmt: skip
+        self.activation_checkpointing = checkpointing
         self.checkpointed_blocks: list[str] = []  # names of the blocks activation checkpointing applies to
         self.offload_optimizer = offload_optimizer or offload_params
         self.offload_params = offload_params

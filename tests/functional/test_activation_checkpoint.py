@@ -51,6 +51,12 @@ def test_block_classes_take_the_outermost_modules_and_bad_choices_are_refused():
     for bad in ("yes", [int], set(), 1):
         with pytest.raises(TypeError, match=r"ZeroStrategy\(activation_checkpointing="):
             check_activation_checkpointing(bad, "ZeroStrategy")
+    from lightning_bigtrain.strategies import DeepSpeedZeroStrategy, ZeroStrategy, zero_strategy
+
+    for make in (ZeroStrategy, DeepSpeedZeroStrategy, zero_strategy):  # at construction
+        with pytest.raises(TypeError, match=r"Strategy\(activation_checkpointing='yes'\)"):
+            make(3, activation_checkpointing="yes")
+    assert ZeroStrategy(3, activation_checkpointing=nn.Linear).activation_checkpointing == (nn.Linear,)
 
 
 def test_a_plan_counting_activation_checkpointing_configures_the_strategy_to_do_it():
