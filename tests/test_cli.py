@@ -177,6 +177,26 @@ def test_plan_rejects_unknown_units(tmp_path, capsys):
     assert code == 2 and "`device_memory='80 GBB'`: not a size" in err
 
 
+def test_a_plan_with_activation_checkpointing_writes_a_config_that_asks_for_it(tmp_path, capsys, monkeypatch):
+    """`bigtrain plan --activation-checkpointing` wrote `strategy: bigtrain_zero3`: a run without what it counted.
+    The block classes parse from a config by import path."""
+    monkeypatch.chdir(ROOT)
+    code, _, err = _main("plan", "--config", str(ROOT / "configs" / "zero3.yaml"), "--devices", "8",
+                         "--device-memory", "80GB", "--activation-checkpointing", "--output", str(tmp_path),
+                         capsys=capsys)  # fmt: skip
+    assert code == 0, err
+    strategy = yaml.safe_load((tmp_path / "plan.yaml").read_text())["trainer"]["strategy"]
+    assert strategy["init_args"]["activation_checkpointing"] is True, strategy
+    code, out, err = _main("fit", "--config", str(tmp_path / "plan.yaml"), "--print_config", capsys=capsys)
+    assert code == 0, err
+    assert yaml.safe_load(out)["trainer"]["strategy"]["init_args"]["activation_checkpointing"] is True
+    code, out, err = _main("fit", "--config", str(ROOT / "configs" / "zero3.yaml"), "--print_config",
+                           "--trainer.strategy.init_args.activation_checkpointing=lightning_bigtrain.models.gpt.Block",
+                           capsys=capsys)  # fmt: skip
+    assert code == 0, err
+    assert "activation_checkpointing: lightning_bigtrain.models.gpt.Block" in out
+
+
 def test_resume_auto_picks_the_newest_committed_last_checkpoint(tmp_path):
     import os
 

@@ -42,7 +42,7 @@ def _strategy(layout: str, checkpointing: Any) -> Any:
 
 def _fit(layout: str, checkpointing: Any) -> dict[str, Any]:
     L.seed_everything(0, verbose=False)
-    model = CharGPT(block_size=64, n_layer=4, n_head=4, n_embd=96, dropout=0.1, warmup_steps=2)
+    model = CharGPT(block_size=64, n_layer=4, n_head=4, n_embd=64, dropout=0.1, warmup_steps=2)
     strategy = _strategy(layout, checkpointing)
     timeline = AllocationTimeline()
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=3, limit_val_batches=1,
@@ -50,7 +50,7 @@ def _fit(layout: str, checkpointing: Any) -> dict[str, Any]:
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
     with warnings.catch_warnings(), timeline:
         warnings.simplefilter("ignore")
-        trainer.fit(model, datamodule=ShakespeareDataModule(block_size=64, batch_size=16, subset=1024))
+        trainer.fit(model, datamodule=ShakespeareDataModule(block_size=64, batch_size=8, subset=1024))
     at, peak = timeline.live_bytes()
     if layout == "ds3":
         import deepspeed
