@@ -20,6 +20,7 @@ __all__ = [
     "is_replica",
     "local_view",
     "part_norms",
+    "part_powers",
     "shard_like_",
     "shard_module_",
 ]
@@ -51,40 +52,43 @@ def divided_over(t: torch.Tensor) -> tuple[Any, ...]:
     return tuple(mesh.get_group(i) for i, pl in enumerate(placements) if not pl.is_replicate())
 
 
-def part_norms(parts: Sequence[tuple[torch.Tensor | None, tuple[Any, ...]]], norm_type: float) -> torch.Tensor:
-    """The ``norm_type``-norm of each of several tensors held in parts across ranks, in float32.
+def part_powers(parts: Sequence[tuple[torch.Tensor | None, tuple[Any, ...]]], norm_type: float) -> torch.Tensor:
+    """The ``norm_type``-th power sum (the largest absolute entry for ``inf``) of each of several tensors held in parts
+    across ranks, in float32.
 
     ``parts[i]`` is ``(local, groups)``: this rank's part of tensor ``i`` (None: none of it) and the process groups
     over whose ranks its parts are disjoint (summed over each, in turn: the data-parallel ranks of a flat partition,
-    every divided mesh dimension of a DTensor); ``()`` for a tensor every rank holds whole (counted once). Each part
-    contributes its ``p``-th power sum (its maximum for ``inf``), combined by one all-reduce per distinct group, so
-    it is a collective: every rank of those groups calls it with the same kinds of parts, in the same order."""
+    every divided mesh dimension of a DTensor, :func:`divided_over`); ``()`` for a tensor every rank holds whole
+    (counted once). The parts' local sums are combined by one all-reduce per distinct set of groups, so it is a
+    collective: every rank of those groups calls it with the same kinds of parts, in the same order."""
     if not parts:
         return torch.zeros(0)
     infinite = math.isinf(norm_type)
     device = next((t.device for t, _ in parts if t is not None), torch.device("cpu"))
     powers = torch.zeros(len(parts), dtype=torch.float32, device=device)
-    for i, (local, _) in enumerate(parts):
+    by_groups: dict[tuple[int, ...], tuple[tuple[Any, ...], list[int]]] = {}
+    for i, (local, groups) in enumerate(parts):
+        by_groups.setdefault(tuple(id(g) for g in groups), (groups, []))[1].append(i)
         if local is None or local.numel() == 0:
             continue
         value = local.detach().float().to(device)
         powers[i] = value.abs().max() if infinite else value.norm(norm_type) ** norm_type
-    by_groups: dict[tuple[int, ...], list[int]] = {}
-    groups_of: dict[tuple[int, ...], tuple[Any, ...]] = {}
-    for i, (_, groups) in enumerate(parts):
-        key = tuple(id(g) for g in groups)
-        by_groups.setdefault(key, []).append(i)
-        groups_of[key] = groups
     op = torch.distributed.ReduceOp.MAX if infinite else torch.distributed.ReduceOp.SUM
-    for key, indices in by_groups.items():
-        if not key:
+    for groups, indices in by_groups.values():
+        if not groups:
             continue
         index = torch.tensor(indices, device=device)
         values = powers.index_select(0, index)
-        for group in groups_of[key]:
+        for group in groups:
             torch.distributed.all_reduce(values, op=op, group=group)
         powers.index_copy_(0, index, values)
-    return powers if infinite else powers ** (1.0 / norm_type)
+    return powers
+
+
+def part_norms(parts: Sequence[tuple[torch.Tensor | None, tuple[Any, ...]]], norm_type: float) -> torch.Tensor:
+    """The ``norm_type``-norm of each of several tensors held in parts across ranks: :func:`part_powers`' root."""
+    powers = part_powers(parts, norm_type)
+    return powers if math.isinf(norm_type) else powers ** (1.0 / norm_type)
 
 
 def _num_params(module: nn.Module) -> int:

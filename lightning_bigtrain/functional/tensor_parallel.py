@@ -43,7 +43,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from lightning_bigtrain.functional.sharding import local_view
+from lightning_bigtrain.functional.sharding import divided_over, local_view, part_powers
 
 __all__ = [
     "Split",
@@ -782,8 +782,9 @@ def clip_grad_norm_global_(parameters: Iterable[torch.Tensor], max_norm: float, 
 
 def grad_power_sum(grads: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
     """The sum of the ``norm_type``-th powers of ``grads`` over every rank that holds a part of them: each DTensor's
-    local power sum summed over the mesh dimensions it is divided on, a replicated one (or a plain tensor) once.
-    A collective over those mesh dimensions: every rank of them must call it with the same kinds of tensors."""
+    local power sum summed over the mesh dimensions it is divided on, a replicated one (or a plain tensor) once
+    (:func:`~lightning_bigtrain.functional.sharding.part_powers`). A collective over those mesh dimensions: every
+    rank of them must call it with the same kinds of tensors."""
     grads = list(grads)
     if norm_type == float("inf"):
         raise ValueError(
@@ -791,31 +792,8 @@ def grad_power_sum(grads: Iterable[torch.Tensor], norm_type: float = 2.0) -> tor
         )
     if not grads:
         return torch.zeros(())
-    device = local_view(grads[0]).device
-    plain = torch.zeros((), device=device, dtype=torch.float32)
-    sharded: dict[tuple, torch.Tensor] = {}
-    meshes: dict[tuple, tuple] = {}
-    for g in grads:
-        placements = getattr(g, "placements", None)
-        local = local_view(g)
-        power = local.detach().float().norm(norm_type) ** norm_type
-        # Any placement but Replicate divides the tensor over that mesh dimension (Shard, and FSDP2's
-        # _StridedShard of a tensor-parallel shard, which is not a Shard); gradients are never Partial here.
-        dims = tuple(i for i, pl in enumerate(placements or ()) if not pl.is_replicate())
-        if not dims:
-            plain = plain + power
-            continue
-        mesh = getattr(g, "device_mesh")  # noqa: B009 (a DTensor's)
-        key = (id(mesh), dims)
-        meshes[key] = (mesh, dims)
-        sharded[key] = sharded.get(key, torch.zeros((), device=device)) + power
-    total = plain
-    for key, value in sharded.items():
-        mesh, dims = meshes[key]
-        for d in dims:
-            torch.distributed.all_reduce(value, group=mesh.get_group(d))
-        total = total + value
-    return total
+    # (Gradients are never Partial here: any placement but Replicate divides the tensor over that mesh dimension.)
+    return part_powers([(local_view(g), divided_over(g)) for g in grads], norm_type).sum()
 
 
 def unpack_rows(full: torch.Tensor, pack: int, degree: int, dim: int = 0) -> torch.Tensor:
