@@ -74,3 +74,31 @@ def test_a_plan_counting_activation_checkpointing_configures_the_strategy_to_do_
     assert result.recommendation != "ddp"
     strategy = result.trainer_config()["strategy"]
     assert strategy["init_args"]["activation_checkpointing"] is True, strategy
+
+
+def test_a_hugging_face_gpt2_built_from_a_config_checkpoints_its_layers_with_the_same_gradients():
+    """A model we did not write: the repeated blocks found are GPT-2's layers; dropout replayed in the recomputation."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    def model() -> nn.Module:
+        torch.manual_seed(0)
+        config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16, resid_pdrop=0.2,
+                            embd_pdrop=0.2, attn_pdrop=0.2)  # fmt: skip
+        return GPT2LMHeadModel(config)
+
+    def grads(m: nn.Module) -> tuple[list[torch.Tensor], int]:
+        """The gradients, and how many tensors the forward saved for backward outside checkpointed regions."""
+        torch.manual_seed(1)
+        x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(2))
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(1) or t, lambda t: t):
+            loss = m(input_ids=x, labels=x).loss
+        loss.backward()
+        return [p.grad.clone() for p in m.parameters() if p.grad is not None], len(saved)
+
+    plain, checkpointed = model(), model()
+    assert checkpoint_blocks_(checkpointed, True, "ZeroStrategy") == ["transformer.h.0", "transformer.h.1"]
+    (expected, kept), (got, kept_checkpointed) = grads(plain), grads(checkpointed)
+    for a, b in zip(expected, got, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert kept_checkpointed < kept / 2, (kept_checkpointed, kept)  # the layers' activations are not kept
