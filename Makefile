@@ -39,10 +39,11 @@ $(DATA)/shakespeare/.ready: lightning_bigtrain/data/prepare.py lightning_bigtrai
 	@touch $@
 
 # Two pytest workers, one test file each at a time (module fixtures run once): a 2-rank fit leaves a core idle for
-# much of its time (start-up, rendezvous, checkpoint I/O). `make test TEST_WORKERS=0` runs in one process.
+# much of its time (start-up, rendezvous, checkpoint I/O). Files go out in collection order, the longest first
+# (tests/conftest.py), not xdist's default of the most tests first. `make test TEST_WORKERS=0` runs in one process.
 TEST_WORKERS ?= 2
 test: venv data
-	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadfile --durations=15
+	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15
 
 # Extra demo flags, e.g. `make demo DEMO_ARGS="--strategy ddp --compression powersgd"`.
 DEMO_ARGS ?=

@@ -15,7 +15,29 @@ logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
 logging.getLogger("lightning.fabric").setLevel(logging.WARNING)
 
 
+# The longest test files (minutes each on the 2-core CI host), longest first. `make test` hands whole files to two
+# workers in collection order (`--dist loadfile --no-loadscope-reorder`): started first, they are spread over both
+# workers and the short files fill in behind them, instead of one of them starting last and running alone.
+_LONGEST_FIRST = (
+    "tests/test_chaos_integration.py",
+    "tests/test_notebooks.py",
+    "tests/test_settings_integration.py",
+    "tests/tune/test_ray_backend.py",
+    "tests/tune/test_tune.py",
+    "tests/test_cli.py",
+    "tests/strategies/test_pipeline_integration.py",
+    "tests/test_conformance_integration.py",
+    "tests/strategies/test_tensor_parallel_integration.py",
+)
+
+
+def _file_rank(item: pytest.Item) -> int:
+    path = item.nodeid.split("::", 1)[0]
+    return _LONGEST_FIRST.index(path) if path in _LONGEST_FIRST else len(_LONGEST_FIRST)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    items.sort(key=_file_rank)  # stable: each file's own order, and the other files', are kept
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -788,6 +788,15 @@ def _plan_row(strategy: Any, rows: Mapping[str, Any]) -> str:
     raise _Unplannable(f"the planner has no row for strategy {shown!r}")
 
 
+def _checkpoints_activations(strategy: Any) -> bool:
+    """Whether the strategy config asks for activation checkpointing (``activation_checkpointing: true`` or block
+    classes): the planner then counts the checkpointed blocks' activations, as the run will hold them."""
+    if not isinstance(strategy, Mapping):
+        return False
+    value = (strategy.get("init_args") or {}).get("activation_checkpointing")
+    return bool(value)
+
+
 def _precision(trainer: Mapping[str, Any]) -> str:
     for plugin in trainer.get("plugins") or []:
         if _is_class(plugin, "BF16Precision"):
@@ -828,7 +837,13 @@ def predict_peak(
                 device_memory=device_memory,
                 accelerator=accelerator,
             ),
-            workload=Workload(batch_shape=shape, input_dtype=dtype, optimizer=optimizer, precision=_precision(trainer)),
+            workload=Workload(
+                batch_shape=shape,
+                input_dtype=dtype,
+                optimizer=optimizer,
+                precision=_precision(trainer),
+                activation_checkpointing=_checkpoints_activations(trainer.get("strategy")),
+            ),
         )
     except (TypeError, ValueError, ImportError, AttributeError, RuntimeError, NotImplementedError) as err:
         raise _Unplannable(f"the planner could not plan this configuration ({type(err).__name__}: {err})") from None

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from lightning_bigtrain.tune import SearchSpace, Tuner, TunerConfigError
@@ -183,6 +184,33 @@ def test_nested_hugging_face_model_is_planned(tmp_path):
         assert row == "ddp"
     # GPT-2 at width 1024 holds ~25M parameters (AdamW: 16 bytes each) against ~0.1M at width 32.
     assert peaks[1024] > 300 * 2**20 > 64 * 2**20 > peaks[32]
+
+
+def test_activation_checkpointing_in_the_strategy_is_planned_as_the_run_holds_it(tmp_path):
+    """A trial whose strategy checkpoints activations is gated by the planner's count of checkpointed activations
+    (before: by the plain count, so a configuration that fits only with checkpointing was never launched)."""
+    import optuna
+
+    from lightning_bigtrain.planning import Cluster, Workload, plan
+    from lightning_bigtrain.tune.tuner import _instantiate_model, predict_peak
+
+    base = _hf_base()
+    base["trainer"].update(devices=2, strategy={"class_path": "lightning_bigtrain.strategies.ZeroStrategy",
+                                                "init_args": {"stage": 3}})  # fmt: skip
+    base["data"]["init_args"]["batch_size"] = 64
+    key = "trainer.strategy.init_args.activation_checkpointing"
+    tuner = Tuner(base, {key: {"choices": [False, True]}}, output=tmp_path / "s")
+    peaks = {}
+    for choice in (False, True):
+        values = tuner.space.suggest(optuna.trial.FixedTrial({key: choice}))
+        row, peaks[choice], _ = predict_peak(tuner.fit_config(values), "1GB", None, "adamw")
+        assert row == "zero3"
+    expected = plan(
+        _instantiate_model(base["model"]),
+        cluster=Cluster(devices=2, device_memory="1GB", accelerator="cpu"),
+        workload=Workload(batch_shape=(64, 32), input_dtype=torch.long, activation_checkpointing=True),
+    )
+    assert peaks[True] == expected.rows["zero3"].peak_bytes < peaks[False]
 
 
 @pytest.mark.integration
