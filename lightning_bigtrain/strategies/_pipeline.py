@@ -337,14 +337,15 @@ class PipelineRunner:
         self, loss: torch.Tensor | None, records: list[tuple[str, Any, dict[str, Any]]], last: bool, parts: int
     ) -> Any:
         """Send the last stage's loss and logged values to every rank of the pipeline group, and log them there
-        (each name once per batch: the mean over its ``parts`` micro-batches; an explicit ``batch_size`` is
-        multiplied by ``parts``)."""
+        (each name once per batch: its ``parts`` micro-batches' values combined by the name's ``reduce_fx``, the mean
+        by default, the sum for ``reduce_fx="sum"``; an explicit ``batch_size`` is multiplied by ``parts``)."""
         payload: list[Any] = [None]
         if last:
             merged: dict[str, tuple[list[Any], dict[str, Any]]] = {}
             for name, value, kwargs in records:
                 merged.setdefault(name, ([], kwargs))[0].append(value)
-            logged = [(name, _mean(values), kwargs) for name, (values, kwargs) in merged.items()]
+            logged = [(name, _combine(values, kwargs.get("reduce_fx", "mean")), kwargs)
+                      for name, (values, kwargs) in merged.items()]  # fmt: skip
             payload = [(None if loss is None else loss.cpu(), logged)]
         owner = torch.distributed.get_global_rank(self.group, (self.stages - 1) % self.degree)
         torch.distributed.broadcast_object_list(payload, src=owner, group=self.group)
@@ -479,12 +480,27 @@ class PipelineRunner:
         return simulated_bubble(timings, self.stages, steady)
 
 
-def _mean(values: list[Any]) -> Any:
-    if all(isinstance(v, torch.Tensor) for v in values):
-        return torch.stack([v.detach().float().cpu() for v in values]).mean()
-    if all(isinstance(v, (int, float)) for v in values):
-        return sum(values) / len(values)
-    return values[-1]
+def _combine(values: list[Any], reduce_fx: Any) -> Any:
+    """One batch's value from its micro-batches' values of one logged name, as Lightning combines a name's values
+    over the batches of an epoch (``reduce_fx``: "mean", "sum", "max", "min", or torch's function of one
+    tensor)."""
+    name = reduce_fx if isinstance(reduce_fx, str) else getattr(reduce_fx, "__name__", "")
+    if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+        values = [torch.tensor(float(v)) for v in values]
+        plain = True
+    elif all(isinstance(v, torch.Tensor) for v in values):
+        plain = False
+    else:
+        return values[-1]
+    stacked = torch.stack([v.detach().float().cpu() for v in values])
+    if name in ("sum", "max", "min", "mean"):
+        out = getattr(stacked, name)(dim=0)
+        out = out.values if name in ("max", "min") else out
+    elif callable(reduce_fx):
+        out = reduce_fx(stacked)
+    else:
+        out = stacked.mean(dim=0)
+    return float(out) if plain else out
 
 
 def _time_actions(stage: Any, runner: PipelineRunner) -> None:

@@ -424,6 +424,7 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
                 "setup in flat partitions of the parameters trainable then. Use stage=3 (sharded per parameter: "
                 "unfreezing works, the replicas stay identical)."
             )
+        self._count_metrics_once(module)
         if trainer.state.fn == TrainerFn.FITTING:
             apply_layer_sync(self, f"ZeroStrategy(stage={self.stage})")
             self.checkpointed_blocks = checkpoint_blocks_(self.model, self.activation_checkpointing, "ZeroStrategy")
@@ -614,6 +615,42 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        """Lightning's reduction over all ranks (what ``self.log(..., sync_dist=True)`` calls), with a sum counted
+        once per batch: under tensor and pipeline parallelism ``tensor_parallel x pipeline_parallel`` ranks share
+        each batch (the data is split over the data-parallel ranks only), so a sum over all ranks of a per-batch
+        count counted it that many times. The sum over all ranks is divided by that number (the same result on every
+        rank, so stopping and checkpoint decisions stay in step)."""
+        out = super().reduce(tensor, group, reduce_op)
+        sharing = self.tensor_parallel * self.pipeline_parallel
+        if group is None and sharing > 1 and isinstance(out, torch.Tensor) and _is_sum(reduce_op):
+            out = out / sharing if out.is_floating_point() else out // sharing
+        return out
+
+    def _count_metrics_once(self, module: Any) -> None:
+        """Give the module's torchmetrics objects (those without a process group of their own) the group of ranks
+        with this rank's tensor-parallel coordinate: the tensor-parallel ranks update them with the same batch, and
+        a sync over all ranks counted each sample ``tensor_parallel`` times (a ``SumMetric`` doubled; ratios hid
+        it)."""
+        if self.tensor_parallel == 1:
+            return
+        try:
+            from torchmetrics import Metric
+        except ImportError:  # pragma: no cover - torchmetrics comes with Lightning
+            return
+        metrics = [m for m in module.modules() if isinstance(m, Metric) and m.process_group is None]
+        if not metrics:
+            return
+        import torch.distributed as dist
+
+        # The mesh is (pipeline x) data x tensor, row-major: a rank's tensor-parallel coordinate is rank % degree.
+        # Every rank creates every group, in the same order (new_group is collective).
+        degree, world = self.tensor_parallel, self.world_size
+        groups = [dist.new_group([r for r in range(world) if r % degree == t]) for t in range(degree)]
+        for metric in metrics:
+            metric.process_group = groups[self.global_rank % degree]
 
     @property
     def pipeline_group(self) -> Any:
@@ -1639,3 +1676,9 @@ def consolidate_checkpoint(path: str | os.PathLike[str], output: str | os.PathLi
     fit_state.pop("combined_loader", None)
     torch.save(checkpoint, out)
     return out
+
+
+def _is_sum(reduce_op: Any) -> bool:
+    if isinstance(reduce_op, str):
+        return reduce_op.lower() == "sum"
+    return reduce_op is not None and reduce_op == torch.distributed.ReduceOp.SUM
