@@ -20,6 +20,11 @@ from typing_extensions import override
 from lightning_bigtrain.engines.auto_compression import AutoCompression
 from lightning_bigtrain.engines.compression import GradientCompression, NodeGroups
 from lightning_bigtrain.engines.onebit_adam import CompressedMomentumAdam, OneBitAdam, phase_hook
+from lightning_bigtrain.functional.activation_checkpoint import (
+    ActivationCheckpointing,
+    check_activation_checkpointing,
+    checkpoint_blocks_,
+)
 from lightning_bigtrain.functional.compression import COMPRESSION_NAMES, Compressor, Quantize
 from lightning_bigtrain.plugins.layer_sync import layer_sync_for
 from lightning_bigtrain.strategies._common import refuse_sparse_gradients
@@ -104,6 +109,9 @@ class CompressedDDPStrategy(FaultTolerantStrategyMixin, DDPStrategy):
             and a gradient compressor; ``OneBitAdam`` exchanges its momentum flat). ``False``: every rank in one
             flat compressed exchange. Then ``compression/sent_bytes_per_step`` counts the bytes across nodes and
             ``compression/intra_node_bytes_per_step`` the dense ones within the node.
+        activation_checkpointing: As in :class:`~lightning_bigtrain.strategies.ZeroStrategy`: True (the repeated
+            blocks) or the block classes recompute their activations in backward (Chen et al., 2016), applied at
+            setup before DDP wraps the module; the names are in ``strategy.checkpointed_blocks``.
         **kwargs: Passed to Lightning's ``DDPStrategy`` (``start_method``, ``process_group_backend``,
             ``find_unused_parameters``, ...), except its comm-hook arguments, which this strategy owns.
     """
@@ -114,6 +122,7 @@ class CompressedDDPStrategy(FaultTolerantStrategyMixin, DDPStrategy):
         self,
         compression: Compressor | AutoCompression | OneBitAdam | str = "powersgd",
         hierarchical: bool | None = None,
+        activation_checkpointing: ActivationCheckpointing = False,
         **kwargs: Any,
     ) -> None:
         if hierarchical is not None and not isinstance(hierarchical, bool):
@@ -148,6 +157,9 @@ class CompressedDDPStrategy(FaultTolerantStrategyMixin, DDPStrategy):
             )
         super().__init__(**kwargs)
         self.hierarchical = hierarchical
+        self.activation_checkpointing = check_activation_checkpointing(activation_checkpointing,
+                                                                       "CompressedDDPStrategy")  # fmt: skip
+        self.checkpointed_blocks: list[str] = []  # names of the blocks activation checkpointing applies to
         self.compression = compressor
         self._support = CompressionSupport(compressor)
         self._exchange_group: Any = None  # the flat exchange's own process group (see _register_ddp_hooks)
@@ -232,8 +244,12 @@ class CompressedDDPStrategy(FaultTolerantStrategyMixin, DDPStrategy):
     def setup(self, trainer: L.Trainer) -> None:
         # Lightning's DDP applies the layer sync itself; torch's nn.SyncBatchNorm is refused in a CPU module.
         self._layer_sync = layer_sync_for(self._layer_sync, self.root_device.type)
-        super().setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            assert self.model is not None
+            self.checkpointed_blocks = checkpoint_blocks_(self.model, self.activation_checkpointing,
+                                                          "CompressedDDPStrategy")  # fmt: skip
+        super().setup(trainer)
         self._trainable = TrainableWatch(self.lightning_module) if fitting else None
         engine = self._support.engine
         if self.momentum is None or engine is None or trainer.state.fn != TrainerFn.FITTING:

@@ -1,7 +1,7 @@
 """``activation_checkpointing=True`` on 2 CPU ranks: the char-GPT with dropout ends bit-identical to the same run
-without it (weights and validation loss), under ZeRO-2 and ZeRO-3 on the torch engine, DeepSpeed's stage 3 and a
-2-stage pipeline; the live bytes of a training step, from the allocator's events, fall to about a third.
-Before, the planner counted checkpointed activations (``bigtrain plan --activation-checkpointing``) that no strategy
+without it (weights and validation loss), under ZeRO-2 and ZeRO-3 on the torch engine, DeepSpeed's stage 3, a
+2-stage pipeline and compressed DDP (PowerSGD); the live bytes of a training step, from the allocator's events,
+fall to about a third. Before, the planner counted checkpointed activations (``bigtrain plan --activation-checkpointing``) that no strategy
 of this package could produce."""
 
 from __future__ import annotations
@@ -13,15 +13,16 @@ import lightning as L
 import pytest
 import torch
 
+from lightning_bigtrain.compression import PowerSGD
 from lightning_bigtrain.data import ShakespeareDataModule
 from lightning_bigtrain.models import CharGPT
-from lightning_bigtrain.strategies import DeepSpeedZeroStrategy, ZeroStrategy
+from lightning_bigtrain.strategies import CompressedDDPStrategy, DeepSpeedZeroStrategy, ZeroStrategy
 from tests.helpers.distributed import run_on_ranks
 from tests.helpers.memory import AllocationTimeline
 
 pytestmark = pytest.mark.integration
 
-_LAYOUTS = ["zero2", "zero3", "ds3", "pp2"]
+_LAYOUTS = ["zero2", "zero3", "ds3", "pp2", "powersgd"]
 
 
 class _Marks(L.Callback):
@@ -33,6 +34,8 @@ class _Marks(L.Callback):
 
 
 def _strategy(layout: str, checkpointing: Any) -> Any:
+    if layout == "powersgd":
+        return CompressedDDPStrategy(PowerSGD(rank=2), activation_checkpointing=checkpointing)
     if layout == "ds3":
         return DeepSpeedZeroStrategy(3, activation_checkpointing=checkpointing)
     if layout == "pp2":
