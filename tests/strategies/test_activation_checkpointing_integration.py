@@ -1,8 +1,8 @@
 """``activation_checkpointing=True`` on 2 CPU ranks: the char-GPT with dropout ends bit-identical to the same run
 without it (weights and validation loss), under ZeRO-2 and ZeRO-3 on the torch engine, DeepSpeed's stage 3, a
 2-stage pipeline and compressed DDP (PowerSGD); the live bytes of a training step, from the allocator's events,
-fall to about a third. Before, the planner counted checkpointed activations (``bigtrain plan --activation-checkpointing``) that no strategy
-of this package could produce."""
+fall to about a third. Before, the planner counted checkpointed activations (``bigtrain plan
+--activation-checkpointing``) that no strategy of this package could produce."""
 
 from __future__ import annotations
 
