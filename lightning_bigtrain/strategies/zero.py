@@ -618,15 +618,23 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
-        """Lightning's reduction over all ranks (what ``self.log(..., sync_dist=True)`` calls), with a sum counted
-        once per batch: under tensor and pipeline parallelism ``tensor_parallel x pipeline_parallel`` ranks share
-        each batch (the data is split over the data-parallel ranks only), so a sum over all ranks of a per-batch
-        count counted it that many times. The sum over all ranks is divided by that number (the same result on every
-        rank, so stopping and checkpoint decisions stay in step)."""
+        """Lightning's reduction over all ranks (what ``self.log(..., sync_dist=True)`` calls), with a logged sum
+        counted once per batch: under tensor and pipeline parallelism ``tensor_parallel x pipeline_parallel`` ranks
+        share each batch (the data is split over the data-parallel ranks only), so a sum over all ranks of a
+        per-batch value counted it that many times. A floating-point sum (what ``self.log`` holds) over all ranks is
+        divided by that number, the same result on every rank. Integer sums stay whole: they are rank counts
+        (Lightning's ``reduce_boolean_decision`` compares its sum of votes with the world size, and its dataloader
+        length check sums each rank's length)."""
         out = super().reduce(tensor, group, reduce_op)
         sharing = self.tensor_parallel * self.pipeline_parallel
-        if group is None and sharing > 1 and isinstance(out, torch.Tensor) and _is_sum(reduce_op):
-            out = out / sharing if out.is_floating_point() else out // sharing
+        if (
+            group is None
+            and sharing > 1
+            and isinstance(out, torch.Tensor)
+            and out.is_floating_point()
+            and _is_sum(reduce_op)
+        ):
+            out = out / sharing
         return out
 
     def _count_metrics_once(self, module: Any) -> None:

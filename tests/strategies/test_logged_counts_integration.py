@@ -70,6 +70,11 @@ def _logged(rank: int, names: list[str]) -> dict[str, dict[str, float]]:
                             limit_val_batches=_VAL_BATCHES, num_sanity_val_steps=0, **_QUIET)  # fmt: skip
         trainer.fit(model, datamodule=ShakespeareDataModule(block_size=32, batch_size=_BATCH, subset=256))
         out[name] = {k: float(v) for k, v in trainer.callback_metrics.items()}
+        # Rank counts stay whole: Lightning's votes (EarlyStopping, checkpoint decisions) and an integer sum.
+        strategy = trainer.strategy
+        out[name]["all_voted"] = strategy.reduce_boolean_decision(True, all=True)
+        out[name]["one_voted"] = strategy.reduce_boolean_decision(rank == 0, all=False)
+        out[name]["ranks"] = int(strategy.reduce(torch.tensor(1), reduce_op="sum"))
     return out
 
 
@@ -84,4 +89,6 @@ def test_sums_count_each_batch_once_under_tensor_and_pipeline_parallelism():
             assert logged[name]["train_samples"] == _TRAIN_BATCHES * _BATCH, name
             assert logged[name]["val_samples"] == _VAL_BATCHES * _BATCH, name
         assert logged["tp2"]["val_count"] == _VAL_BATCHES * _BATCH
+        for name in logged:
+            assert logged[name]["all_voted"] and logged[name]["one_voted"] and logged[name]["ranks"] == 2, name
         assert 0 < logged["tp2"]["val_acc"] < 1
