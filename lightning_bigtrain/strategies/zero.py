@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
+from lightning.fabric.utilities.throughput import Throughput
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -425,6 +426,7 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
                 "unfreezing works, the replicas stay identical)."
             )
         self._count_metrics_once(module)
+        self._count_throughput_once(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             apply_layer_sync(self, f"ZeroStrategy(stage={self.stage})")
             self.checkpointed_blocks = checkpoint_blocks_(self.model, self.activation_checkpointing, "ZeroStrategy")
@@ -659,6 +661,32 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         groups = [dist.new_group([r for r in range(world) if r % degree == t]) for t in range(degree)]
         for metric in metrics:
             metric.process_group = groups[self.global_rank % degree]
+
+    def _count_throughput_once(self, trainer: L.Trainer) -> None:
+        """Lightning's ``ThroughputMonitor`` (set up before the strategy) counts a job's samples and FLOPs as the
+        device's times the world size; under tensor and pipeline parallelism only the data-parallel ranks process
+        different batches, and the ``flops_per_batch`` of Lightning's recipe (``measure_flops`` of the whole model on
+        one rank's batch) is shared by the ``tensor_parallel x pipeline_parallel`` ranks of the batch. Its meters
+        are replaced by ones that count that way."""
+        sharing = self.tensor_parallel * self.pipeline_parallel
+        if sharing == 1:
+            return
+        from lightning.pytorch.callbacks import ThroughputMonitor
+
+        for callback in trainer.callbacks:  # type: ignore[attr-defined]
+            if not isinstance(callback, ThroughputMonitor):
+                continue
+            meters = getattr(callback, "_throughputs", None)
+            if not isinstance(meters, dict):
+                warn_once(
+                    "`ThroughputMonitor` under tensor or pipeline parallelism: this Lightning version keeps its "
+                    "meters elsewhere, so its global samples and FLOPs count each batch once per rank sharing it.",
+                    NoEffectWarning,
+                )
+                continue
+            for stage, meter in meters.items():
+                if not isinstance(meter, _SharedBatchThroughput):
+                    meters[stage] = _SharedBatchThroughput(meter, self.world_size // sharing, sharing)
 
     @property
     def pipeline_group(self) -> Any:
@@ -1690,3 +1718,23 @@ def _is_sum(reduce_op: Any) -> bool:
     if isinstance(reduce_op, str):
         return reduce_op.lower() == "sum"
     return reduce_op is not None and reduce_op == torch.distributed.ReduceOp.SUM
+
+
+class _SharedBatchThroughput(Throughput):
+    """Lightning's throughput meter for a job whose batches are shared by ``sharing`` ranks each
+    (``tensor_parallel x pipeline_parallel``): global samples and FLOPs over the ``data_parallel`` ranks, and each
+    device's FLOPs the batch's divided by the ranks that share it. Without a second data-parallel rank the global
+    figures are the device's and, as on one device, not logged."""
+
+    def __init__(self, meter: Throughput, data_parallel: int, sharing: int) -> None:
+        super().__init__(available_flops=meter.available_flops, world_size=data_parallel,
+                         window_size=meter._time.maxlen or 100, separator=meter.separator)  # fmt: skip
+        self.sharing = sharing
+
+    @override
+    def compute(self) -> dict[str, int | float]:
+        metrics = dict(super().compute())
+        for key in (f"device{self.separator}flops_per_sec", f"device{self.separator}mfu"):
+            if key in metrics:
+                metrics[key] = metrics[key] / self.sharing
+        return metrics

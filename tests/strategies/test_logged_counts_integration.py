@@ -2,8 +2,9 @@
 
 There the ranks of a tensor-parallel group (and the stages of a pipeline) share each batch: the data is split over
 the data-parallel ranks only. A sum over all ranks (``self.log(..., reduce_fx="sum", sync_dist=True)``, a
-torchmetrics ``SumMetric``) counted each batch once per rank sharing it, silently (means and ratios hid it), and a
-pipeline logged the mean of a batch's micro-batch values where the name asked for their sum."""
+torchmetrics ``SumMetric``, Lightning's ``ThroughputMonitor``) counted each batch once per rank sharing it, silently
+(means and ratios hid it), and a pipeline logged the mean of a batch's micro-batch values where the name asked for
+their sum."""
 
 from __future__ import annotations
 
@@ -92,3 +93,46 @@ def test_sums_count_each_batch_once_under_tensor_and_pipeline_parallelism():
         for name in logged:
             assert logged[name]["all_voted"] and logged[name]["one_voted"] and logged[name]["ranks"] == 2, name
         assert 0 < logged["tp2"]["val_acc"] < 1
+
+
+class _Measured(CharGPT):
+    """Lightning's ``ThroughputMonitor`` recipe: ``flops_per_batch`` of the whole model on this rank's batch."""
+
+    flops_per_batch = 1e9
+
+
+def _throughput(rank: int, root: str, names: list[str]) -> dict[str, dict[str, float]]:
+    import csv
+    import os
+
+    from lightning.pytorch.callbacks import ThroughputMonitor
+    from lightning.pytorch.loggers import CSVLogger
+
+    out = {}
+    for name in names:
+        L.seed_everything(0, verbose=False)
+        model = _Measured(block_size=32, n_layer=2, n_head=2, n_embd=32, warmup_steps=3)
+        logger = CSVLogger(os.path.join(root, name), name="", version="")
+        monitor = ThroughputMonitor(batch_size_fn=lambda batch: batch[0].shape[0], window_size=2)
+        quiet = {**_QUIET, "logger": logger}
+        trainer = L.Trainer(strategy=_strategy(name), max_steps=3, limit_val_batches=0, log_every_n_steps=1,
+                            callbacks=[monitor], **quiet)  # fmt: skip
+        trainer.fit(model, datamodule=ShakespeareDataModule(block_size=32, batch_size=_BATCH, subset=256))
+        if rank == 0:
+            with open(os.path.join(root, name, "metrics.csv")) as f:
+                rows = [r for r in csv.DictReader(f) if r.get("train/device/samples_per_sec")]
+            out[name] = {k: float(v) for k, v in rows[-1].items() if v and k.startswith("train/")}
+    return out
+
+
+def test_throughput_monitor_counts_a_shared_batch_once(tmp_path):
+    """Before: under tp2 and pp2 (one data-parallel rank) ``samples_per_sec`` was twice the device's, and each
+    device was credited with the whole model's FLOPs per batch; data-parallel ZeRO-3 keeps Lightning's numbers."""
+    logged = run_on_ranks(_throughput, str(tmp_path), ["zero3", "tp2", "pp2"], init_process_group=False)[0]
+    z = logged["zero3"]
+    assert z["train/samples_per_sec"] == pytest.approx(2 * z["train/device/samples_per_sec"])
+    assert z["train/device/flops_per_sec"] == pytest.approx(1e9 * z["train/device/batches_per_sec"])
+    for name in ("tp2", "pp2"):
+        m = logged[name]
+        assert "train/samples_per_sec" not in m, (name, m)  # one data-parallel rank: as on one device
+        assert m["train/device/flops_per_sec"] == pytest.approx(1e9 * m["train/device/batches_per_sec"] / 2), name
