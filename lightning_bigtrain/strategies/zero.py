@@ -280,6 +280,7 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         self.min_wrap_params = min_wrap_params
         self.activation_checkpointing = check_activation_checkpointing(activation_checkpointing, "ZeroStrategy")
         self.checkpointed_blocks: list[str] = []  # names of the blocks activation checkpointing applies to
+        self._grouped_metrics: list[Any] = []  # torchmetrics given a tensor-parallel group (_count_metrics_once)
         self._sharded_root = False  # FSDP2 shards the LightningModule itself (set in setup)
         self._root_hooks: list[Any] = []  # manual optimization on a sharded root: regather_root_in_step_'s hooks
         self.options = options
@@ -661,6 +662,7 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         groups = [dist.new_group([r for r in range(world) if r % degree == t]) for t in range(degree)]
         for metric in metrics:
             metric.process_group = groups[self.global_rank % degree]
+        self._grouped_metrics = metrics  # given back their own (None) at teardown
 
     def _count_throughput_once(self, trainer: L.Trainer) -> None:
         """Lightning's ``ThroughputMonitor`` (set up before the strategy) counts a job's samples and FLOPs as the
@@ -1231,6 +1233,9 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         for handle in self._root_hooks:
             handle.remove()
         self._root_hooks = []
+        for metric in self._grouped_metrics:
+            metric.process_group = None  # the module may be evaluated next under another layout
+        self._grouped_metrics = []
         for optimizer in self.optimizers:
             flat = getattr(optimizer, "_optimizer", optimizer)
             if isinstance(flat, FlatShardedOptimizer):

@@ -56,6 +56,10 @@ def test_block_classes_take_the_outermost_modules_and_bad_choices_are_refused():
     for make in (ZeroStrategy, DeepSpeedZeroStrategy, zero_strategy):  # at construction
         with pytest.raises(TypeError, match=r"Strategy\(activation_checkpointing='yes'\)"):
             make(3, activation_checkpointing="yes")
+    from lightning_bigtrain.strategies import CompressedDDPStrategy
+
+    with pytest.raises(TypeError, match=r"CompressedDDPStrategy\(activation_checkpointing='yes'\)"):
+        CompressedDDPStrategy("powersgd", activation_checkpointing="yes")
     assert ZeroStrategy(3, activation_checkpointing=nn.Linear).activation_checkpointing == (nn.Linear,)
 
 

@@ -71,6 +71,7 @@ def _logged(rank: int, names: list[str]) -> dict[str, dict[str, float]]:
                             limit_val_batches=_VAL_BATCHES, num_sanity_val_steps=0, **_QUIET)  # fmt: skip
         trainer.fit(model, datamodule=ShakespeareDataModule(block_size=32, batch_size=_BATCH, subset=256))
         out[name] = {k: float(v) for k, v in trainer.callback_metrics.items()}
+        out[name]["group_given_back"] = model.val_count.process_group is None  # for the module's next strategy
         # Rank counts stay whole: Lightning's votes (EarlyStopping, checkpoint decisions) and an integer sum.
         strategy = trainer.strategy
         out[name]["all_voted"] = strategy.reduce_boolean_decision(True, all=True)
@@ -91,6 +92,7 @@ def test_sums_count_each_batch_once_under_tensor_and_pipeline_parallelism():
             assert logged[name]["val_samples"] == _VAL_BATCHES * _BATCH, name
         assert logged["tp2"]["val_count"] == _VAL_BATCHES * _BATCH
         for name in logged:
+            assert logged[name]["group_given_back"], name
             assert logged[name]["all_voted"] and logged[name]["one_voted"] and logged[name]["ranks"] == 2, name
         assert 0 < logged["tp2"]["val_acc"] < 1
 
