@@ -314,6 +314,22 @@ def _tensor_parallel(sequence: bool) -> Callable[[Family], dict[str, Any]]:
     return kwargs
 
 
+def _zero3_checkpointed(family: Family) -> dict[str, Any]:
+    """ZeRO-3 with the repeated blocks' activations checkpointed (recomputed in backward)."""
+    from lightning_bigtrain.strategies import ZeroStrategy
+
+    strategy = ZeroStrategy(stage=3, min_wrap_params=10_000, activation_checkpointing=True)
+    return {"strategy": strategy, "callbacks": [_Recomputed()]}
+
+
+def _zero2_bf16_mixed(family: Family) -> dict[str, Any]:
+    """ZeRO-2 under Lightning's ``precision="bf16-mixed"``: 16-bit replicas and gradient buckets, fp32 masters."""
+    from lightning_bigtrain.strategies import ZeroStrategy
+
+    return {"strategy": ZeroStrategy(stage=2, min_wrap_params=10_000), "precision": "bf16-mixed",
+            "callbacks": [_ParamDtypes()]}  # fmt: skip
+
+
 def _pipeline(family: Family) -> dict[str, Any]:
     from lightning_bigtrain.strategies import ZeroStrategy
 
@@ -430,6 +446,17 @@ CELLS: dict[str, Cell] = {
         Cell("tp2", _tensor_parallel(False), "blocks split: parameters per rank <= 0.75 of replicated"),
         Cell("tp2_sp", _tensor_parallel(True), "as tp2, with the blocks' norms sequence-parallel"),
         Cell("pp2", _pipeline, "two stages: parameters per rank <= 0.75 of replicated"),
+        Cell(
+            "zero3_ac",
+            _zero3_checkpointed,
+            "blocks checkpointed: a layer inside the first runs twice per training step (forward, recompute); "
+            "parameters per rank <= 0.75 of replicated",
+        ),
+        Cell(
+            "zero2_bf16",
+            _zero2_bf16_mixed,
+            "bf16 replicas in the step (fp32 masters); optimizer state and gradients per rank <= 0.75 of replicated",
+        ),
         Cell("zero3_meta", _zero(3), _META, meta=True),
         Cell("deepspeed3_meta", _zero(3, "deepspeed"), _META, meta=True),
         Cell("tp2_meta", _tensor_parallel(False), _META, meta=True),
@@ -454,6 +481,44 @@ class _Losses(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, *args: Any) -> None:
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         self.losses.append(float(loss))
+
+
+class _Recomputed(L.Callback):
+    """Calls per training step of the first layer with parameters inside the first checkpointed block: 2 when its
+    activations were recomputed in backward, 1 otherwise."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.steps = 0
+        self.block: str | None = None
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        names = getattr(trainer.strategy, "checkpointed_blocks", [])
+        if not names:
+            return
+        self.block = names[0]
+        block = pl_module.get_submodule(names[0])
+        leaf = next(m for m in block.modules() if next(m.parameters(recurse=False), None) is not None)
+
+        def count(*_: Any) -> None:
+            if pl_module.training:
+                self.calls += 1
+
+        leaf.register_forward_pre_hook(count)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        self.steps += 1
+
+
+class _ParamDtypes(L.Callback):
+    """The dtypes of the module's parameters during a training step (ZeRO-1/2 under ``-mixed`` swaps in 16-bit
+    replicas)."""
+
+    def __init__(self) -> None:
+        self.dtypes: set[str] = set()
+
+    def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
+        self.dtypes.update(str(local_view(p).dtype) for p in pl_module.parameters())
 
 
 class _StartWeights(L.Callback):
@@ -702,16 +767,17 @@ def _evidence(cell: str, trainer: L.Trainer, module: nn.Module, numel: int, stat
               params_now: int) -> dict[str, Any]:  # fmt: skip
     ev: dict[str, Any] = {}
     full = 4 * numel  # fp32 bytes of one copy of the parameters
-    if cell in ("zero1", "zero2", "deepspeed2", "all", "zero2_powersgd"):
+    if cell in ("zero1", "zero2", "deepspeed2", "all", "zero2_powersgd", "zero2_bf16"):
         # Per-rank optimizer state over an Adam state of the whole model (2 fp32 copies); SGD without momentum
         # (Lightning's demo) has none, so its shard is empty too.
-        ev["optimizer_fraction"] = state.get("optimizer", 0) / (2 * full)
+        # Under bf16-mixed the shard holds the fp32 masters too, against DDP's fp32 parameters and Adam state.
+        ev["optimizer_fraction"] = state.get("optimizer", 0) / ((3 if cell == "zero2_bf16" else 2) * full)
         ev["acted"] = ev["optimizer_fraction"] <= 0.75
-    if cell in ("zero2", "deepspeed2", "zero2_powersgd"):
+    if cell in ("zero2", "deepspeed2", "zero2_powersgd", "zero2_bf16"):
         ev["grads_fraction"] = state.get("grads", 0) / full
         ev["acted"] = ev["acted"] and ev["grads_fraction"] <= 0.75
     if cell in ("zero3", "deepspeed3", "tp2", "tp2_sp", "pp2", "zero3_meta", "deepspeed3_meta", "tp2_meta", "pp2_meta",
-                "kd_zero3"):  # fmt: skip
+                "kd_zero3", "zero3_ac"):  # fmt: skip
         ev["params_fraction"] = state.get("params", 0) / full
         ev["acted"] = ev["params_fraction"] <= 0.75
     if cell in ("tp2", "tp2_sp", "tp2_meta"):
@@ -757,6 +823,15 @@ def _evidence(cell: str, trainer: L.Trainer, module: nn.Module, numel: int, stat
         ev["params_before"], ev["params_after"] = numel, params_now
         ev["removed"] = round(1 - params_now / numel, 3)
         ev["acted"] = params_now < numel
+    if cell == "zero3_ac":
+        recomputed = next(c for c in trainer.callbacks if isinstance(c, _Recomputed))  # type: ignore[attr-defined]
+        ev["checkpointed_blocks"] = len(trainer.strategy.checkpointed_blocks)  # type: ignore[attr-defined]
+        ev["calls_per_step"] = recomputed.calls / max(1, recomputed.steps)
+        ev["acted"] = ev["acted"] and ev["checkpointed_blocks"] > 0 and ev["calls_per_step"] == 2
+    if cell == "zero2_bf16":
+        seen = next(c for c in trainer.callbacks if isinstance(c, _ParamDtypes))  # type: ignore[attr-defined]
+        ev["param_dtypes_in_step"] = sorted(seen.dtypes)
+        ev["acted"] = ev["acted"] and "torch.bfloat16" in seen.dtypes
     if cell == "ddp":
         ev["acted"] = True
     return ev

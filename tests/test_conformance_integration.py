@@ -41,6 +41,10 @@ SUBSET = [
     ("timm_convnext", "deepspeed3_meta"),
     # Split on meta: nn.MultiheadAttention's swap for per-projection attention copied out of meta.
     ("lightning_demo_transformer", "tp2_meta"),
+    # Activation checkpointing: T5's decoder read its cross-attention cache back in the recomputation (refused by
+    # torch's check); Llama's bf16-mixed ZeRO-2 (RMSNorm weights in fp32 buckets, the rest in 16-bit replicas).
+    ("hf_t5", "zero3_ac"),
+    ("hf_llama", "zero2_bf16"),
 ]
 
 #: Cells a technique cannot handle: refused before the first optimizer step with this package's message (they were

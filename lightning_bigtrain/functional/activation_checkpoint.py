@@ -6,13 +6,24 @@ parameter names and the state-dict keys stay as they are, and the recomputation 
 included, so FSDP2 (ZeRO-3) and DeepSpeed's stage 3 gather its parameters again as in the first forward. The
 random state is replayed, so dropout draws the same masks in the recomputation: gradients are those of the run
 without checkpointing.
+
+Hugging Face transformer layers (``transformers``' ``GradientCheckpointingLayer``: GPT-2's, Llama's, T5's blocks...)
+are checkpointed through their own switch instead (the layer's ``gradient_checkpointing``, what the model's
+``gradient_checkpointing_enable()`` sets, here per block, non-reentrant): the layer then runs without the key/value
+cache, which a decoder would otherwise fill in forward and read back in the recomputation (T5's cross-attention
+reused its cached keys and values there: a different graph, refused by torch's check). Only the layer's ``forward``
+is recomputed; FSDP2 gathers the block's parameters before its backward and DeepSpeed's stage 3 hooks every
+submodule, so both hold them during the recomputation.
 """
 
 from __future__ import annotations
 
+import functools
+import sys
 from collections.abc import Iterable
 from typing import Any
 
+import torch.utils.checkpoint
 from torch import nn
 
 __all__ = ["ActivationCheckpointing", "check_activation_checkpointing", "checkpoint_blocks_"]
@@ -78,9 +89,23 @@ def checkpoint_blocks_(model: nn.Module, which: bool | tuple[type[nn.Module], ..
             )
     names = {id(m): n for n, m in model.named_modules()}
     for block in blocks:
-        if "checkpoint" not in (_get_registry(block) or {}):
+        if _hugging_face_layer(block):
+            if not block.gradient_checkpointing:  # the user's gradient_checkpointing_enable() did it already
+                # Plain attributes of Hugging Face's layer (set with setattr: nn.Module types them as submodules).
+                setattr(block, "_gradient_checkpointing_func",  # noqa: B010
+                        functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False))  # fmt: skip
+                setattr(block, "gradient_checkpointing", True)  # noqa: B010
+        elif "checkpoint" not in (_get_registry(block) or {}):
             checkpoint(block)
     return [names[id(b)] for b in blocks]
+
+
+def _hugging_face_layer(block: nn.Module) -> bool:
+    """Whether ``block`` is a Hugging Face layer with its own checkpointing switch (``transformers`` is imported
+    wherever such a layer exists)."""
+    layers = sys.modules.get("transformers.modeling_layers")
+    base = getattr(layers, "GradientCheckpointingLayer", None)
+    return base is not None and isinstance(block, base) and hasattr(block, "gradient_checkpointing")
 
 
 def _is_repeated(model: nn.Module, block: nn.Module) -> bool:

@@ -106,3 +106,44 @@ def test_a_hugging_face_gpt2_built_from_a_config_checkpoints_its_layers_with_the
     for a, b in zip(expected, got, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert kept_checkpointed < kept / 2, (kept_checkpointed, kept)  # the layers' activations are not kept
+
+
+def test_hugging_face_t5_decoder_layers_recompute_without_the_cross_attention_cache():
+    """T5 builds a key/value cache in training (``use_cache`` defaults to True): its decoder's cross-attention filled
+    it in forward and read it back in the recomputation, a different graph (torch.utils.checkpoint refused it: "A
+    different number of tensors was saved"). Its layers are checkpointed through their own switch, without the cache.
+    A model whose user enabled Hugging Face's checkpointing already is left as it is (not checkpointed twice)."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    def model() -> nn.Module:
+        torch.manual_seed(0)
+        config = T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, dropout_rate=0.2,
+                          decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)  # fmt: skip
+        return T5ForConditionalGeneration(config)
+
+    x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(2))
+    y = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(3))
+
+    def grads(m: nn.Module) -> tuple[list[torch.Tensor], int]:
+        """The gradients, and how often the first decoder layer's first projection ran."""
+        calls = [0]
+        m.decoder.block[0].layer[0].SelfAttention.q.register_forward_pre_hook(
+            lambda *_: calls.__setitem__(0, calls[0] + 1)
+        )
+        torch.manual_seed(1)
+        m(input_ids=x, labels=y).loss.backward()
+        return [p.grad.clone() for p in m.parameters() if p.grad is not None], calls[0]
+
+    plain, checkpointed = model(), model()
+    names = checkpoint_blocks_(checkpointed, True, "ZeroStrategy")
+    assert names == ["encoder.block.0", "encoder.block.1", "decoder.block.0", "decoder.block.1"]
+    (expected, once), (got, twice) = grads(plain), grads(checkpointed)
+    assert (once, twice) == (1, 2)  # recomputed in backward
+    for a, b in zip(expected, got, strict=True):
+        # Dropout replayed; equal to rounding (the position bias the layers share sums its gradient in another
+        # order; as under Hugging Face's own gradient_checkpointing_enable()).
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    enabled = model()
+    enabled.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert checkpoint_blocks_(enabled, True, "ZeroStrategy") == names
+    assert grads(enabled)[1] == 2  # once more in backward, not twice more
