@@ -330,6 +330,14 @@ def _zero2_bf16_mixed(family: Family) -> dict[str, Any]:
             "callbacks": [_ParamDtypes()]}  # fmt: skip
 
 
+def _zero3_bf16_mixed(family: Family) -> dict[str, Any]:
+    """ZeRO-3 under ``precision="bf16-mixed"``: FSDP2 gathers bf16 parameters (normalization layers' in fp32)."""
+    from lightning_bigtrain.strategies import ZeroStrategy
+
+    return {"strategy": ZeroStrategy(stage=3, min_wrap_params=10_000), "precision": "bf16-mixed",
+            "callbacks": [_ComputeDtypes()]}  # fmt: skip
+
+
 def _pipeline(family: Family) -> dict[str, Any]:
     from lightning_bigtrain.strategies import ZeroStrategy
 
@@ -457,6 +465,7 @@ CELLS: dict[str, Cell] = {
             _zero2_bf16_mixed,
             "bf16 replicas in the step (fp32 masters); optimizer state and gradients per rank <= 0.75 of replicated",
         ),
+        Cell("zero3_bf16", _zero3_bf16_mixed, "layers compute in bf16; parameters per rank <= 0.75 of replicated"),
         Cell("zero3_meta", _zero(3), _META, meta=True),
         Cell("deepspeed3_meta", _zero(3, "deepspeed"), _META, meta=True),
         Cell("tp2_meta", _tensor_parallel(False), _META, meta=True),
@@ -519,6 +528,22 @@ class _ParamDtypes(L.Callback):
 
     def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
         self.dtypes.update(str(local_view(p).dtype) for p in pl_module.parameters())
+
+
+class _ComputeDtypes(L.Callback):
+    """The dtypes of the outputs of the module's linear and convolution layers in training steps."""
+
+    def __init__(self) -> None:
+        self.dtypes: set[str] = set()
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        def record(module: nn.Module, args: Any, out: Any) -> None:
+            if pl_module.training and isinstance(out, torch.Tensor):
+                self.dtypes.add(str(out.dtype))
+
+        for m in pl_module.modules():
+            if isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d)) or type(m).__name__ == "Conv1D":  # HF GPT-2's
+                m.register_forward_hook(record)
 
 
 class _StartWeights(L.Callback):
@@ -777,7 +802,7 @@ def _evidence(cell: str, trainer: L.Trainer, module: nn.Module, numel: int, stat
         ev["grads_fraction"] = state.get("grads", 0) / full
         ev["acted"] = ev["acted"] and ev["grads_fraction"] <= 0.75
     if cell in ("zero3", "deepspeed3", "tp2", "tp2_sp", "pp2", "zero3_meta", "deepspeed3_meta", "tp2_meta", "pp2_meta",
-                "kd_zero3", "zero3_ac"):  # fmt: skip
+                "kd_zero3", "zero3_ac", "zero3_bf16"):  # fmt: skip
         ev["params_fraction"] = state.get("params", 0) / full
         ev["acted"] = ev["params_fraction"] <= 0.75
     if cell in ("tp2", "tp2_sp", "tp2_meta"):
@@ -831,6 +856,10 @@ def _evidence(cell: str, trainer: L.Trainer, module: nn.Module, numel: int, stat
     if cell == "zero2_bf16":
         seen = next(c for c in trainer.callbacks if isinstance(c, _ParamDtypes))  # type: ignore[attr-defined]
         ev["param_dtypes_in_step"] = sorted(seen.dtypes)
+        ev["acted"] = ev["acted"] and "torch.bfloat16" in seen.dtypes
+    if cell == "zero3_bf16":
+        seen = next(c for c in trainer.callbacks if isinstance(c, _ComputeDtypes))  # type: ignore[attr-defined]
+        ev["compute_dtypes"] = sorted(seen.dtypes)
         ev["acted"] = ev["acted"] and "torch.bfloat16" in seen.dtypes
     if cell == "ddp":
         ev["acted"] = True

@@ -200,6 +200,21 @@ def shard_module_(
         kwargs["mp_policy"] = mp_policy
     kwargs["offload_policy"] = offload_policy if offload_policy is not None else OffloadPolicy()
     units = list(targets)
+    if getattr(mp_policy, "param_dtype", None) is not None:
+        # Normalization layers keep fp32 parameters, as ZeRO-1/2's fp32 buckets keep them (and FSDP1's MixedPrecision
+        # kept batch norms): a 16-bit weight meets fp32 running statistics in batch norm, and, with the units' inputs
+        # left to autocast, an fp32 residual stream in CPU's layer norm ("expected scalar type BFloat16 but found
+        # Float", "mixed dtype (CPU): expect parameter to have scalar type of Float"). Each is a unit of its own
+        # gathered in fp32 and kept gathered from forward to backward (a few weights per channel).
+        from dataclasses import replace
+
+        from lightning_bigtrain.engines.flat_shard import _NORMS
+
+        fp32 = {**kwargs, "mp_policy": replace(mp_policy, param_dtype=None), "reshard_after_forward": False}  # type: ignore[type-var]
+        for norm in module.modules():
+            direct = next(norm.parameters(recurse=False), None) is not None
+            if isinstance(norm, _NORMS) and direct and norm is not module and not any(norm is u for u in units):
+                fully_shard(norm, **fp32)  # type: ignore[call-overload]
     for target in units:
         fully_shard(target, **kwargs)  # type: ignore[call-overload]
     fully_shard(module, **kwargs)  # type: ignore[call-overload]
