@@ -338,6 +338,11 @@ def _zero3_bf16_mixed(family: Family) -> dict[str, Any]:
             "callbacks": [_ComputeDtypes()]}  # fmt: skip
 
 
+def _deepspeed3_bf16_mixed(family: Family) -> dict[str, Any]:
+    """DeepSpeed's stage 3 under ``precision="bf16-mixed"``: bf16 parameters, autocast in forward."""
+    return {**_zero(3, "deepspeed")(family), "precision": "bf16-mixed", "callbacks": [_ComputeDtypes()]}
+
+
 def _pipeline(family: Family) -> dict[str, Any]:
     from lightning_bigtrain.strategies import ZeroStrategy
 
@@ -466,6 +471,11 @@ CELLS: dict[str, Cell] = {
             "bf16 replicas in the step (fp32 masters); optimizer state and gradients per rank <= 0.75 of replicated",
         ),
         Cell("zero3_bf16", _zero3_bf16_mixed, "layers compute in bf16; parameters per rank <= 0.75 of replicated"),
+        Cell(
+            "deepspeed3_bf16",
+            _deepspeed3_bf16_mixed,
+            "layers compute in bf16; parameters per rank <= 0.75 of replicated",
+        ),
         Cell("zero3_meta", _zero(3), _META, meta=True),
         Cell("deepspeed3_meta", _zero(3, "deepspeed"), _META, meta=True),
         Cell("tp2_meta", _tensor_parallel(False), _META, meta=True),
@@ -802,7 +812,7 @@ def _evidence(cell: str, trainer: L.Trainer, module: nn.Module, numel: int, stat
         ev["grads_fraction"] = state.get("grads", 0) / full
         ev["acted"] = ev["acted"] and ev["grads_fraction"] <= 0.75
     if cell in ("zero3", "deepspeed3", "tp2", "tp2_sp", "pp2", "zero3_meta", "deepspeed3_meta", "tp2_meta", "pp2_meta",
-                "kd_zero3", "zero3_ac", "zero3_bf16"):  # fmt: skip
+                "kd_zero3", "zero3_ac", "zero3_bf16", "deepspeed3_bf16"):  # fmt: skip
         ev["params_fraction"] = state.get("params", 0) / full
         ev["acted"] = ev["params_fraction"] <= 0.75
     if cell in ("tp2", "tp2_sp", "tp2_meta"):
@@ -857,7 +867,7 @@ def _evidence(cell: str, trainer: L.Trainer, module: nn.Module, numel: int, stat
         seen = next(c for c in trainer.callbacks if isinstance(c, _ParamDtypes))  # type: ignore[attr-defined]
         ev["param_dtypes_in_step"] = sorted(seen.dtypes)
         ev["acted"] = ev["acted"] and "torch.bfloat16" in seen.dtypes
-    if cell == "zero3_bf16":
+    if cell in ("zero3_bf16", "deepspeed3_bf16"):
         seen = next(c for c in trainer.callbacks if isinstance(c, _ComputeDtypes))  # type: ignore[attr-defined]
         ev["compute_dtypes"] = sorted(seen.dtypes)
         ev["acted"] = ev["acted"] and "torch.bfloat16" in seen.dtypes

@@ -327,6 +327,7 @@ class DeepSpeedZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, DeepSpeedStr
         self.options = options
         self.deepspeed_options = ds
         self._rng_seed: int | None = None
+        self._norm_hooks: list[Any] = []  # _match_norms_to_engine's, removed at teardown
         self.memory: dict[str, int] = {}
         self._trainable: TrainableWatch | None = None  # fitting: requires_grad as at setup
         self._storages: list[tuple[str, Any, int]] = []  # stages 1-2 fitting: each parameter's storage at setup
@@ -550,6 +551,9 @@ class DeepSpeedZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, DeepSpeedStr
                     "Lightning's DDP, or an element-wise optimizer (SGD, Adam, AdamW, ...)."
                 )
         _release_stale_deepspeed_groups()
+        sixteen = self._sixteen_bit_dtype()
+        if sixteen is not None:
+            self._norm_hooks = _match_norms_to_engine(model, sixteen)
         engine, ds_optimizer, _, _ = deepspeed.initialize(
             args=argparse.Namespace(device_rank=self._device_rank()),
             config=self.config,
@@ -584,6 +588,9 @@ class DeepSpeedZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, DeepSpeedStr
             config["zero_optimization"] = self.config["zero_optimization"]
         remove_module_hooks(model)
         _release_stale_deepspeed_groups()
+        sixteen = self._sixteen_bit_dtype()
+        if sixteen is not None and not self._norm_hooks:
+            self._norm_hooks = _match_norms_to_engine(model, sixteen)
         self.model, _, _, _ = deepspeed.initialize(
             args=argparse.Namespace(device_rank=self._device_rank()),
             config=config,
@@ -598,6 +605,18 @@ class DeepSpeedZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, DeepSpeedStr
     def teardown(self) -> None:
         super().teardown()
         _restore_torch_linear()
+        for handle in self._norm_hooks:
+            handle.remove()
+        self._norm_hooks = []
+
+    def _sixteen_bit_dtype(self) -> torch.dtype | None:
+        """The dtype the engine casts the module's parameters to (its ``bf16`` / ``fp16`` config), or None."""
+        assert isinstance(self.config, dict)
+        for key, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+            section = self.config.get(key)
+            if isinstance(section, Mapping) and section.get("enabled"):
+                return dtype
+        return None
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -746,6 +765,45 @@ class _EngineClipping(DeepSpeedPrecision):
             )
         self._strategy._manual_clip = float(clip_val)
         return None
+
+    @override
+    def forward_context(self) -> Any:
+        """Under ``"bf16-mixed"`` / ``"16-mixed"`` the engine holds 16-bit parameters; autocast runs each op in the
+        dtype it needs, so a tensor the forward makes in fp32 (a position table, a mask) meets them without a dtype
+        error (Lightning's plugin runs none: "expected m1 and m2 to have the same dtype" on Lightning's demo
+        Transformer). Normalization layers, which autocast leaves alone on CPU, see :func:`_match_norms_to_engine`."""
+        if self.precision not in ("bf16-mixed", "16-mixed"):
+            return super().forward_context()
+        device = self._strategy.root_device
+        return torch.autocast(device.type if device is not None else "cpu", dtype=self._desired_dtype)
+
+
+def _match_norms_to_engine(model: torch.nn.Module, dtype: torch.dtype) -> list[Any]:
+    """Make torch's normalization layers run in the engine's 16-bit ``dtype``. DeepSpeed casts the parameters only
+    (never buffers, and no layer is kept in fp32 at this version), so a batch norm's 16-bit weight met its fp32
+    running statistics ("expected scalar type BFloat16 but found Float" on torchvision's ResNet and MobileNet), and a
+    layer norm's met an fp32 activation the forward made (a position table: "mixed dtype (CPU): expect parameter to
+    have scalar type of Float" on Lightning's demo Transformer). The batch norms' statistics are cast to ``dtype``
+    (the engine's dtype for everything else) and each norm's floating inputs are cast to its weight's dtype by a
+    forward pre-hook; the hook handles are returned, to be removed at teardown."""
+    from lightning_bigtrain.engines.flat_shard import _NORMS
+
+    def cast(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        weight = getattr(module, "weight", None)
+        if not isinstance(weight, torch.Tensor) or not weight.dtype.is_floating_point:
+            return args
+        return tuple(a.to(weight.dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
+
+    handles = []
+    for module in model.modules():
+        if not isinstance(module, _NORMS) or getattr(module, "weight", None) is None:
+            continue
+        for name in ("running_mean", "running_var"):
+            stat = getattr(module, name, None)
+            if isinstance(stat, torch.Tensor) and stat.is_floating_point():
+                stat.data = stat.data.to(dtype)
+        handles.append(module.register_forward_pre_hook(cast))
+    return handles
 
 
 def _restore_torch_linear() -> bool:

@@ -270,3 +270,37 @@ def test_a_stage3_fit_leaves_torchs_linear_as_it_found_it():
     assert run_on_ranks(_linear_after_a_stage3_fit, world_size=1, init_process_group=False) == [
         {"restored": True, "trained": True}
     ]
+
+
+def _bf16_norms(rank: int) -> dict:
+    """DeepSpeed's stages 2 and 3 under bf16-mixed on models with batch norms (torchvision's ResNet-18) and with a
+    layer norm meeting an fp32 activation made in forward (Lightning's demo Transformer adds an fp32 position table)."""
+    from benchmarks.conformance import FAMILIES, _build, _data
+
+    out: dict = {}
+    for family in ("tv_resnet18", "lightning_demo_transformer"):
+        for stage in (2, 3):
+            L.seed_everything(0, verbose=False)
+            model = _build(FAMILIES[family], 0)
+            losses = _Losses()
+            strategy = DeepSpeedZeroStrategy(stage, deepspeed=DeepSpeedOptions(param_persistence_threshold=0))
+            trainer = L.Trainer(strategy=strategy, precision="bf16-mixed", max_steps=8, enable_checkpointing=False,
+                                callbacks=[losses], **_COMMON)  # fmt: skip
+            trainer.fit(model, datamodule=_data(FAMILIES[family].data))
+            hooks = sum("_match_norms_to_engine" in getattr(h, "__qualname__", "")
+                        for m in model.modules() for h in m._forward_pre_hooks.values())  # fmt: skip
+            out[f"{family}/{stage}"] = (losses.losses, hooks)
+    return out
+
+
+def test_bf16_mixed_trains_models_with_normalization_layers():
+    """DeepSpeed casts the module's parameters to bf16 and nothing else: ResNet-18 failed at its first batch norm
+    (bf16 weight, fp32 running statistics: "expected scalar type BFloat16 but found Float") and the demo
+    Transformer at its first matmul (the fp32 position table: "expected m1 and m2 to have the same dtype"), as under
+    Lightning's DeepSpeedStrategy. Now the batch norms' statistics are in bf16, norms take their input in their
+    weight's dtype, and the forward runs under autocast: both train, and the hooks are gone after the fit."""
+    for r in run_on_ranks(_bf16_norms, init_process_group=False):
+        for name, (losses, hooks) in r.items():
+            assert len(losses) == 8 and all(torch.isfinite(torch.tensor(losses))), name
+            assert sum(losses[-3:]) / 3 < losses[0], (name, losses)  # the conformance matrix's "trains"
+            assert hooks == 0, name
