@@ -455,6 +455,14 @@ SETTINGS: tuple[Setting, ...] = (
             trainer_kwargs=lambda: {**_zero(1)(), "precision": "bf16-mixed"}),
     Setting(name="zero2_mixed_cnn", model=_tiny_cnn, data=_tiny_fashion,
             trainer_kwargs=lambda: {**_zero(2)(), "precision": "bf16-mixed"}),
+    # bf16-mixed at stage 3 on a CNN with batch norms: FSDP2 gathers bf16 weights, the norms' in fp32 (bf16 ones met
+    # their fp32 running statistics), the units' inputs left to autocast; DDP under bf16-mixed is its twin (stage 1's
+    # bf16 replicas compute differently). DeepSpeed's bf16 on the same CNN: the batch norms' statistics in bf16, its
+    # forward under autocast.
+    Setting(name="zero3_mixed_cnn", model=_tiny_cnn, data=_tiny_fashion,
+            trainer_kwargs=lambda: {**_zero(3)(), "precision": "bf16-mixed"}, replicated_twin=lambda: "ddp"),
+    Setting(name="ds_zero2_mixed_cnn", model=_tiny_cnn, data=_tiny_fashion,
+            trainer_kwargs=lambda: {**_deepspeed(2)(), "precision": "bf16-mixed"}),
     # Tensor and pipeline parallelism: the 2 ranks split one model replica (the blocks' linears, or the blocks into
     # stages), compared with DDP ranks that all step on the same batches. ZeRO-1 at tp=2 with sequence parallelism:
     # the FSDP2 path of stages 1-2 (a one-rank data axis here), the norms on the split activation; the pipeline at its
