@@ -201,19 +201,16 @@ def shard_module_(
     kwargs["offload_policy"] = offload_policy if offload_policy is not None else OffloadPolicy()
     units = list(targets)
     if getattr(mp_policy, "param_dtype", None) is not None:
-        # Normalization layers keep fp32 parameters, as ZeRO-1/2's fp32 buckets keep them (and FSDP1's MixedPrecision
-        # kept batch norms): a 16-bit weight meets fp32 running statistics in batch norm, and, with the units' inputs
-        # left to autocast, an fp32 residual stream in CPU's layer norm ("expected scalar type BFloat16 but found
-        # Float", "mixed dtype (CPU): expect parameter to have scalar type of Float"). Each is a unit of its own
-        # gathered in fp32 and kept gathered from forward to backward (a few weights per channel).
+        # Batch norms keep fp32 parameters, each a unit of its own gathered in fp32 and kept gathered from forward to
+        # backward (a few weights per channel), as FSDP1's MixedPrecision kept them: a 16-bit weight met the fp32
+        # running statistics ("expected scalar type BFloat16 but found Float"). Other norms stay in their block's
+        # unit (a unit inside a block breaks a compiled block's graph at its hooks): see `cast_norm_inputs_`.
         from dataclasses import replace
-
-        from lightning_bigtrain.engines.flat_shard import _NORMS
 
         fp32 = {**kwargs, "mp_policy": replace(mp_policy, param_dtype=None), "reshard_after_forward": False}  # type: ignore[type-var]
         for norm in module.modules():
-            direct = next(norm.parameters(recurse=False), None) is not None
-            if isinstance(norm, _NORMS) and direct and norm is not module and not any(norm is u for u in units):
+            affine = isinstance(norm, nn.modules.batchnorm._NormBase) and norm.weight is not None
+            if affine and norm is not module and not any(norm is u for u in units):
                 fully_shard(norm, **fp32)  # type: ignore[call-overload]
     for target in units:
         fully_shard(target, **kwargs)  # type: ignore[call-overload]
@@ -221,6 +218,27 @@ def shard_module_(
     if async_prefetch and len(units) > 1:
         _prefetch_neighbours(module, units)
     return module
+
+
+def cast_norm_inputs_(module: nn.Module) -> list[Any]:
+    """Give each of torch's normalization layers with a weight (layer, group, RMS, batch norm) a forward pre-hook
+    that casts its floating inputs to its weight's dtype when that is 16-bit; returns the hook handles (remove them
+    when the layout that needed them ends). For a module whose weights are gathered or held in 16 bits while
+    activations may be fp32 (FSDP2's policy with the units' inputs left to autocast, DeepSpeed's 16-bit engine):
+    autocast leaves CPU's norms alone, which refuse an fp32 input with a 16-bit weight ("mixed dtype (CPU): expect
+    parameter to have scalar type of Float"). The hook is plain Python, so a compiled block traces through it."""
+    from lightning_bigtrain.engines.flat_shard import _NORMS
+
+    def cast(norm: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        weight = getattr(norm, "weight", None)
+        if not isinstance(weight, torch.Tensor) or weight.dtype not in (torch.bfloat16, torch.float16):
+            return args  # an fp32 weight takes a 16-bit input as it is (as under autocast with DDP)
+        dtype = weight.dtype
+        return tuple(a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() and a.dtype != dtype
+                     else a for a in args)  # fmt: skip
+
+    return [m.register_forward_pre_hook(cast) for m in module.modules()
+            if isinstance(m, _NORMS) and getattr(m, "weight", None) is not None]  # fmt: skip
 
 
 def shard_like_(copy: nn.Module, reference: nn.Module) -> int:

@@ -40,7 +40,7 @@ from lightning_bigtrain.functional.materialize import (
     record_init,
 )
 from lightning_bigtrain.functional.optim_probe import slice_step_error
-from lightning_bigtrain.functional.sharding import auto_wrap_targets
+from lightning_bigtrain.functional.sharding import auto_wrap_targets, cast_norm_inputs_
 from lightning_bigtrain.strategies._common import (
     RNG_KEY,
     ZeroCommon,
@@ -784,26 +784,16 @@ def _match_norms_to_engine(model: torch.nn.Module, dtype: torch.dtype) -> list[A
     running statistics ("expected scalar type BFloat16 but found Float" on torchvision's ResNet and MobileNet), and a
     layer norm's met an fp32 activation the forward made (a position table: "mixed dtype (CPU): expect parameter to
     have scalar type of Float" on Lightning's demo Transformer). The batch norms' statistics are cast to ``dtype``
-    (the engine's dtype for everything else) and each norm's floating inputs are cast to its weight's dtype by a
-    forward pre-hook; the hook handles are returned, to be removed at teardown."""
-    from lightning_bigtrain.engines.flat_shard import _NORMS
-
-    def cast(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
-        weight = getattr(module, "weight", None)
-        if not isinstance(weight, torch.Tensor) or not weight.dtype.is_floating_point:
-            return args
-        return tuple(a.to(weight.dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
-
-    handles = []
+    (the engine's dtype for everything else) and each norm's floating inputs to its weight's dtype
+    (:func:`~lightning_bigtrain.functional.sharding.cast_norm_inputs_`); the hook handles are returned, to be removed
+    at teardown."""
     for module in model.modules():
-        if not isinstance(module, _NORMS) or getattr(module, "weight", None) is None:
-            continue
-        for name in ("running_mean", "running_var"):
-            stat = getattr(module, name, None)
-            if isinstance(stat, torch.Tensor) and stat.is_floating_point():
-                stat.data = stat.data.to(dtype)
-        handles.append(module.register_forward_pre_hook(cast))
-    return handles
+        if isinstance(module, torch.nn.modules.batchnorm._NormBase) and module.weight is not None:
+            for name in ("running_mean", "running_var"):
+                stat = getattr(module, name, None)
+                if isinstance(stat, torch.Tensor) and stat.is_floating_point():
+                    stat.data = stat.data.to(dtype)
+    return cast_norm_inputs_(model)
 
 
 def _restore_torch_linear() -> bool:

@@ -53,6 +53,7 @@ from lightning_bigtrain.functional.rng import seed_all_
 from lightning_bigtrain.functional.sharding import (
     CommCounter,
     auto_wrap_targets,
+    cast_norm_inputs_,
     count_comm_,
     is_fully_sharded,
     regather_root_in_step_,
@@ -284,6 +285,7 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         self._grouped_metrics: list[Any] = []  # torchmetrics given a tensor-parallel group (_count_metrics_once)
         self._sharded_root = False  # FSDP2 shards the LightningModule itself (set in setup)
         self._root_hooks: list[Any] = []  # manual optimization on a sharded root: regather_root_in_step_'s hooks
+        self._norm_hooks: list[Any] = []  # stage 3 under bf16-mixed: cast_norm_inputs_'s, removed at teardown
         self.options = options
         self.compression = compressor
         self._compression_active = False
@@ -472,6 +474,10 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
                     async_prefetch=self.root_device.type == "cpu",
                 )
         self._materialize(records)  # a meta model: this rank's shards only, initialized as the whole model would be
+        policy = self._mp_policy()
+        if getattr(policy, "param_dtype", None) is not None and not self._norm_hooks:
+            # 16-bit gathered weights, activations left to autocast: norms take their input in their weight's dtype.
+            self._norm_hooks = cast_norm_inputs_(self.model)
         for callback in self._averaged:
             # Lightning's WeightAveraging keeps a whole copy of the module (made before sharding): shard it like the
             # module, so the average costs 1/N per rank and its updates run on local shards (whole, it failed at the
@@ -1231,9 +1237,9 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         self._async_commits.poll(self.is_global_zero, block=True)
         if self._compression is not None:
             self._compression.close()
-        for handle in self._root_hooks:
+        for handle in [*self._root_hooks, *self._norm_hooks]:
             handle.remove()
-        self._root_hooks = []
+        self._root_hooks, self._norm_hooks = [], []
         for metric in self._grouped_metrics:
             metric.process_group = None  # the module may be evaluated next under another layout
         self._grouped_metrics = []

@@ -326,7 +326,7 @@ def test_attention_swap_that_keeps_its_written_math_on_cpu_is_not_reported_as_sd
     assert recorder.metrics == {"fusion/swaps": 2, "fusion/swap_fallbacks": 0} and quiet.fallbacks == []
 
 
-def _zero3_regional(rank: int) -> dict:
+def _zero3_regional(rank: int, precision: str = "32-true") -> dict:
     from benchmarks.conformance import _data as conformance_data
     from benchmarks.conformance import _nn_transformer
     from lightning_bigtrain.callbacks.fusion import _dynamo_counts
@@ -340,7 +340,7 @@ def _zero3_regional(rank: int) -> dict:
         losses = _Losses()
         callbacks = [OperatorFusion("regional", fused_optimizer=False), losses] if fused else [losses]
         trainer = L.Trainer(devices=2, strategy=ZeroStrategy(stage=3, min_wrap_params=10_000), max_steps=4,
-                            callbacks=callbacks, **_COMMON)  # fmt: skip
+                            callbacks=callbacks, precision=precision, **_COMMON)  # fmt: skip
         trainer.fit(_nn_transformer(), datamodule=conformance_data("text"))
         out["fused" if fused else "plain"] = losses.losses
     after = _dynamo_counts()
@@ -349,10 +349,14 @@ def _zero3_regional(rank: int) -> dict:
     return out
 
 
-def test_regional_compile_of_zero3_units_compiles_their_forward():
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_regional_compile_of_zero3_units_compiles_their_forward(precision):
     """Under ZeRO-3 each block is a sharded unit whose gather and reshard hooks run in its call and are excluded
     from compilation: compiling the whole call broke the graph there and nn.TransformerEncoderLayer ran eagerly
-    (no graph compiled). The unit's forward is compiled, its hooks stay around it; losses as without."""
-    for r in run_on_ranks(_zero3_regional, init_process_group=False):
+    (no graph compiled). The unit's forward is compiled, its hooks stay around it; losses as without. Under
+    bf16-mixed the layer norms inside the blocks stay in their block's unit (units of their own, gathered in fp32,
+    broke each block's graph at their hooks: 6 breaks on Hugging Face GPT-2)."""
+    for r in run_on_ranks(_zero3_regional, precision, init_process_group=False):
         assert r["graphs"] > 0 and r["breaks"] == 0, r
-        torch.testing.assert_close(torch.tensor(r["fused"]), torch.tensor(r["plain"]), rtol=1e-4, atol=0)
+        rtol = 1e-4 if precision == "32-true" else 2e-2  # bf16 rounds differently in fused kernels
+        torch.testing.assert_close(torch.tensor(r["fused"]), torch.tensor(r["plain"]), rtol=rtol, atol=0)
