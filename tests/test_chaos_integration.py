@@ -31,6 +31,17 @@ def test_killed_and_resumed_runs_end_bit_identical(setting, seed, tmp_path):
     assert result.identical, f"max |difference| {result.max_abs_diff}"
 
 
+def test_a_run_resumed_twice_at_and_after_an_epoch_end_ends_bit_identical(tmp_path):
+    """Killed right after the commit at step 6 (the last of its 3-step epoch, while the last checkpoint is step
+    4's), then right after the commit at step 8. The second job resumed inside epoch 2, finished it and saved step 6
+    with its data cursor where its resume began (a complete pass counted as none), so the third job restored a loader
+    2 batches long where the loop had consumed 3, and the run ended 4.4e-4 off the uninterrupted one (under DDP,
+    ZeRO-1 and ZeRO-3 alike; the seeded matrix had not drawn these two faults together)."""
+    result = run_chaos("ddp_gpt", tmp_path, faults=[("save_after_commit", 6, 0), ("save_after_commit", 8, 0)])
+    assert result.kills_survived == 2 and not result.notes, result.notes
+    assert result.identical, f"max |difference| {result.max_abs_diff}"
+
+
 def test_a_job_of_two_nodes_is_killed_whole_by_a_fault_on_the_second_node(tmp_path):
     """2 "nodes" x 2 ranks (the hierarchical compressed exchange): a fault inside a step on global rank 2, which
     lives in node 1's process tree, takes node 0 down too, and the relaunch ends bit-identical on all 4 ranks."""

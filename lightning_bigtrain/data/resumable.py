@@ -169,7 +169,10 @@ def _pass_batches(trainer: Any, loader: object) -> int:
     several in a ``CombinedLoader`` that runs out before the epoch ends: in ``"max_size_cycle"`` (Lightning's
     default for training) a shorter loader starts again from the beginning of its order each time it runs out, in
     ``"max_size"`` it stops. Counted from the epoch's count, its count modulo the loader's length (a resumed pass is
-    a whole one: its length counts the batches consumed before the checkpoint), or capped by it."""
+    a whole one: its length counts the batches consumed before the checkpoint), or capped by it. A pass that has
+    just ended counts whole: its cursor is the end of the pass, not the start of the next one (the start would,
+    after a resume inside that pass, leave the cursor where the resume began, and the loader restored from it would
+    count fewer batches in the epoch than the fit loop had consumed)."""
     from lightning_bigtrain._compat import combined_mode, fit_combined_loader
 
     processed = _batches_consumed(trainer)
@@ -179,7 +182,7 @@ def _pass_batches(trainer: Any, loader: object) -> int:
     length = len(loader)  # type: ignore[arg-type]
     mode = combined_mode(combined)
     if mode == "max_size_cycle" and length > 0:
-        return processed % length
+        return (processed - 1) % length + 1 if processed > 0 else 0
     if mode == "max_size":
         return min(processed, length)
     return processed

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 from types import SimpleNamespace
+from typing import Any
 
 import lightning as L
 import pytest
@@ -127,6 +128,39 @@ def test_make_resumable_saves_and_restores_the_cursor_of_a_wrapped_user_sampler(
         user(), num_replicas=2, rank=1, seed=0)), lambda: trainer)  # fmt: skip
     resumed.load_state_dict(state)
     assert [int(x) for b in resumed for x in b] == reference[1][8:]
+
+
+def test_a_pass_resumed_inside_and_then_completed_saves_the_end_of_the_pass():
+    """A job resumed inside an epoch that then finished the epoch's last batch and saved (a checkpoint at the
+    epoch's last step, the fit loop's training loader in a ``CombinedLoader``) wrote the cursor where its resume
+    began (16 of 48) instead of the end: a complete pass counted as 0 batches (its count modulo the loader's
+    length), so a job resumed from that checkpoint restored a loader 2 batches long where the loop had consumed 3
+    (the chaos harness: killed after the commits at steps 6 and 8 of a 3-step epoch, the run ended 4.4e-4 off the
+    uninterrupted one, under every strategy). Both the uninterrupted job and the resumed one save the end."""
+    from lightning.pytorch.utilities import CombinedLoader
+
+    data = list(range(48))
+
+    def loader(trainer: SimpleNamespace) -> Any:
+        made = make_resumable(DataLoader(data, batch_size=8, sampler=DistributedSampler(data, num_replicas=2, rank=0,
+                                                                                         seed=0)), lambda: trainer)  # fmt: skip
+        trainer.fit_loop._combined_loader = CombinedLoader([made], "max_size_cycle")
+        return made
+
+    uninterrupted = _trainer(3)
+    whole = loader(uninterrupted)
+    list(whole)  # the epoch's 3 batches
+    assert whole.state_dict()["cursor"] == 48
+    trainer = _trainer(1)  # a job resumed after the epoch's first batch (8 samples per rank: cursor 16)
+    resumed = loader(trainer)
+    resumed.load_state_dict({**whole.state_dict(), "cursor": 16})
+    assert len(resumed) == 3 and len(list(resumed)) == 2  # the loop's epoch length; the 2 batches left
+    trainer.fit_loop.epoch_loop.batch_progress.current.processed = 3  # it finished the epoch and saves
+    state = resumed.state_dict()
+    assert state["cursor"] == 48, state
+    again = loader(_trainer(3))
+    again.load_state_dict(state)
+    assert len(again) == 3 and list(again) == []  # as long as the loop counted; nothing left of the epoch
 
 
 def test_a_one_process_plain_or_shuffled_loader_resumes_mid_epoch():
