@@ -50,7 +50,7 @@ from lightning_bigtrain.functional.optim_probe import (
     rebuild_optimizer,
     slice_step_error,
 )
-from lightning_bigtrain.functional.sharding import local_view
+from lightning_bigtrain.functional.sharding import NORM_LAYERS, local_view
 
 __all__ = [
     "ELEMENTWISE_OPTIMIZERS",
@@ -73,14 +73,11 @@ def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, **kwargs: Any) ->
     return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(output, input, **kwargs)
 
 
-_NORMS: tuple[type[nn.Module], ...] = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.modules.batchnorm._NormBase)
-
-
 def norm_parameters(module: nn.Module) -> list[nn.Parameter]:
     """Parameters of torch's normalization layers (LayerNorm, GroupNorm, RMSNorm, BatchNorm, InstanceNorm), which
     mixed precision keeps in fp32: a few per channel, and 16-bit weights there would meet fp32 inputs or running
     statistics in ops that autocast does not cast (CPU's layer norm, batch norm)."""
-    return [p for m in module.modules() if isinstance(m, _NORMS) for p in m.parameters(recurse=False)]
+    return [p for m in module.modules() if isinstance(m, NORM_LAYERS) for p in m.parameters(recurse=False)]
 
 
 def bucket_runs(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:

@@ -171,6 +171,11 @@ def is_fully_sharded(module: nn.Module) -> bool:
     return any(isinstance(m, FSDPModule) for m in module.modules())
 
 
+#: torch's normalization layers: a few weights per channel, which mixed precision keeps in fp32 (ZeRO-1/2's fp32
+#: buckets) or matches to their input's dtype (:func:`cast_norm_inputs_`).
+NORM_LAYERS: tuple[type[nn.Module], ...] = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.modules.batchnorm._NormBase)
+
+
 def shard_module_(
     module: nn.Module,
     mesh: object,
@@ -227,7 +232,6 @@ def cast_norm_inputs_(module: nn.Module) -> list[Any]:
     activations may be fp32 (FSDP2's policy with the units' inputs left to autocast, DeepSpeed's 16-bit engine):
     autocast leaves CPU's norms alone, which refuse an fp32 input with a 16-bit weight ("mixed dtype (CPU): expect
     parameter to have scalar type of Float"). The hook is plain Python, so a compiled block traces through it."""
-    from lightning_bigtrain.engines.flat_shard import _NORMS
 
     def cast(norm: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
         weight = getattr(norm, "weight", None)
@@ -238,7 +242,7 @@ def cast_norm_inputs_(module: nn.Module) -> list[Any]:
                      else a for a in args)  # fmt: skip
 
     return [m.register_forward_pre_hook(cast) for m in module.modules()
-            if isinstance(m, _NORMS) and getattr(m, "weight", None) is not None]  # fmt: skip
+            if isinstance(m, NORM_LAYERS) and getattr(m, "weight", None) is not None]  # fmt: skip
 
 
 def shard_like_(copy: nn.Module, reference: nn.Module) -> int:
