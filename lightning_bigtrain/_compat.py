@@ -46,7 +46,9 @@ __all__ = [
     "fit_combined_loader",
     "forward_redirection",
     "rewrap_ddp",
+    "run_pending_batch_end",
     "should_accumulate",
+    "update_plateau_schedulers_at_restored_epoch_end",
     "weight_averaging_callbacks",
 ]
 
@@ -54,6 +56,65 @@ __all__ = [
 def should_accumulate(trainer: Any) -> bool:
     """Whether the current training batch only accumulates gradients (no optimizer step after it)."""
     return bool(trainer.fit_loop.epoch_loop._should_accumulate())
+
+
+def run_pending_batch_end(trainer: Any) -> None:
+    """Have a fit resumed from a checkpoint written at the end of a training batch first do what the uninterrupted
+    run did after that checkpoint, before the batch's iteration ended (call after the checkpoint is restored, before
+    training: ``on_train_start``).
+
+    ``ModelCheckpoint(every_n_train_steps=...)`` and a preemption checkpoint are written in ``on_train_batch_end``.
+    After it the uninterrupted run ends the batch's iteration: the validation due then (``val_check_interval``, or
+    the epoch's end), the ``ReduceLROnPlateau`` updates, and after an epoch's last batch the epoch's end
+    (``on_train_epoch_end``, the epoch's plateau updates). Lightning 2.6, resuming from such a checkpoint, skips all
+    of it ("fast forward progress counters to end of validation"; after the last batch it counts the epoch as ended)
+    and trains the next batch: whatever those feed is lost (a plateau scheduler's step, ``EarlyStopping``'s count, a
+    metric-monitoring checkpoint, what the module's validation and epoch-end hooks keep) and the run goes on unlike
+    the uninterrupted one. Here the epoch restored after a last batch is not counted as ended, and the first
+    iteration of the resumed epoch loop trains nothing: its end runs what was due, as in the uninterrupted run
+    (Lightning's own path for a run restarted in the middle of a validation).
+    """
+    fit_loop = trainer.fit_loop
+    loop = fit_loop.epoch_loop
+    if not loop.restarted_on_train_batch_end or "advance" in vars(loop):
+        return
+    if loop.batch_progress.is_last_batch and fit_loop.restarted_mid_epoch:
+        # FitLoop.reset counted the epoch as processed and completed: the epoch loop ends it instead.
+        for progress in (fit_loop.epoch_progress.current, fit_loop.epoch_progress.total):
+            progress.processed -= 1
+            progress.completed -= 1
+        # What the epoch loop's reset does for this restart, but for its starting the next epoch's counters.
+        loop.batch_progress.increment_completed()
+        loop.reset_restart_stage()
+    original = loop.advance
+
+    def advance(data_fetcher: Any) -> None:
+        del loop.advance  # once: the loop's own method from here on
+        if loop.restarting and loop.batch_progress.current.completed > 0 and not loop.val_loop.restarted_mid_evaluation:
+            loop.val_loop.restarting = False  # a fresh validation, not the previous one's progress
+            if not loop._should_accumulate():
+                loop._batches_that_stepped -= 1  # counted at the restore and again at this iteration's end
+            return
+        original(data_fetcher)
+
+    loop.advance = advance
+
+
+def update_plateau_schedulers_at_restored_epoch_end(trainer: Any) -> None:
+    """Let the epoch's ``ReduceLROnPlateau`` schedulers update at the end of the epoch a fit resumed in (call in
+    ``on_train_epoch_end``).
+
+    Lightning 2.6 skips them at the end of the first epoch after a restore, because the metrics they monitor are in
+    no checkpoint; a run resumed mid-epoch then misses a plateau step the uninterrupted run took. Where every metric
+    they monitor was logged in this process (the epoch's validation ran here), they update as in the uninterrupted
+    run; otherwise Lightning's skip stands.
+    """
+    fit_loop = trainer.fit_loop
+    if not fit_loop.restarting:
+        return
+    configs = [c for c in trainer.lr_scheduler_configs if c.reduce_on_plateau and c.interval == "epoch"]
+    if configs and all(c.monitor in trainer.callback_metrics for c in configs):
+        fit_loop._restarting = False  # this loop's flag only: it ends with this iteration anyway
 
 
 def drop_fit_dataloaders(trainer: Any) -> bool:

@@ -21,6 +21,7 @@ import lightning as L
 import torch
 from typing_extensions import override
 
+from lightning_bigtrain._compat import run_pending_batch_end, update_plateau_schedulers_at_restored_epoch_end
 from lightning_bigtrain.checkpointing import AtomicCheckpointIO, atomic_folder_save, load_path
 from lightning_bigtrain.data.resumable import load_pending_states, make_resumable
 from lightning_bigtrain.strategies._fault import (
@@ -167,6 +168,8 @@ class FaultTolerance(L.Callback):
             destroy_process_group_at_exit()
         if self._active and self.resumable_data:
             load_pending_states(trainer)
+        if self._active:
+            run_pending_batch_end(trainer)
         if self._active and self._preemption is not None:
             self._preemption.install()
 
@@ -185,6 +188,11 @@ class FaultTolerance(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         if self._active and self._preemption is not None:
             self._preemption.check(trainer)
+
+    @override
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._active:
+            update_plateau_schedulers_at_restored_epoch_end(trainer)
 
     @override
     def state_dict(self) -> dict[str, Any]:

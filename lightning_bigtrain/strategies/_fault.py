@@ -17,7 +17,12 @@ import torch
 import torch.distributed as dist
 from typing_extensions import override
 
-from lightning_bigtrain._compat import StrategyMixinBase, should_accumulate
+from lightning_bigtrain._compat import (
+    StrategyMixinBase,
+    run_pending_batch_end,
+    should_accumulate,
+    update_plateau_schedulers_at_restored_epoch_end,
+)
 from lightning_bigtrain.checkpointing import AtomicCheckpointIO
 from lightning_bigtrain.data.resumable import load_pending_states, make_resumable
 
@@ -148,7 +153,7 @@ def repair_epoch_progress(trainer: L.Trainer) -> None:
 
 class _PreemptionHook(L.Callback):
     """Put into ``trainer.callbacks`` by this package's strategies for the fit (strategies have no batch-end
-    hook): the preemption check, and the epoch-progress repair."""
+    hook): the preemption check, the epoch-progress repair, the plateau schedulers at a restored epoch's end."""
 
     def __init__(self, preemption: Preemption) -> None:
         self.preemption = preemption
@@ -160,6 +165,10 @@ class _PreemptionHook(L.Callback):
     @override
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         self.preemption.check(trainer)
+
+    @override
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        update_plateau_schedulers_at_restored_epoch_end(trainer)
 
 
 def _last_path(trainer: L.Trainer) -> str:
@@ -200,6 +209,7 @@ class FaultTolerantStrategyMixin(StrategyMixinBase):
         assert self.lightning_module is not None
         trainer: Any = self.lightning_module.trainer
         load_pending_states(trainer)
+        run_pending_batch_end(trainer)
         destroy_process_group_at_exit()
         if self._preemption is not None:
             self._preemption.install()

@@ -49,7 +49,9 @@ GROUPS_KEY = "bigtrain_param_groups"
 def saved_layout_kind(location: str) -> str:
     """How the checkpoint at ``location`` holds its optimizer states: ``"file"`` (one ``torch.save`` file, Lightning's
     own format), ``"deepspeed"`` (DeepSpeed's folder), ``"flat"`` (ZeroStrategy's stages 1-2: per flat bucket),
-    ``"named"`` (per parameter name: FSDP2's), or ``"any"`` (a folder without optimizer states)."""
+    ``"named"`` (per parameter name: FSDP2's), ``"stateless"`` (optimizers saved with their param groups but no
+    per-parameter state, as SGD without momentum: any layout loads them) or ``"any"`` (a folder without
+    optimizers)."""
     import fsspec
 
     fs, path = fsspec.url_to_fs(location)
@@ -61,11 +63,13 @@ def saved_layout_kind(location: str) -> str:
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
     reader = FsspecReader(location) if "://" in location else FileSystemReader(location)
+    groups = False
     for key in reader.read_metadata().state_dict_metadata:
         parts = key.split(".")
         if len(parts) > 2 and parts[0].startswith("optimizer_") and parts[1] == "state":
             return "flat" if parts[2].isdigit() else "named"
-    return "any"
+        groups = groups or (len(parts) > 2 and parts[0].startswith("optimizer_") and parts[1] == "param_groups")
+    return "stateless" if groups else "any"
 
 
 def read_whole(location: str, metadata_filename: str) -> dict[str, Any]:

@@ -1048,7 +1048,7 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
                 "(DeepSpeedZeroStrategy). Resume it with DeepSpeedZeroStrategy, or write its weights as one file "
                 "(`bigtrain consolidate`) and load them into the module before `fit`."
             )
-        if kind in ("flat", "named"):
+        if kind in ("flat", "named", "stateless"):
             self._drop_unsaved_group_keys(location)
         if kind == "named" and not self._flat_engine and not _is_url(location) and not packed and not pipelined:
             checkpoint = super().load_checkpoint(location, weights_only=weights_only)
@@ -1090,7 +1090,7 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         # (`ModelCheckpoint(save_weights_only=True)`) loads the weights; resuming training from it then stops on
         # Lightning's own message, as with DDP's file (its DCP read failed on the first missing optimizer key).
         state: dict[str, Any] = {"state_dict": get_model_state_dict(self.model)}
-        optimizers = [] if kind == "any" else self.optimizers
+        optimizers = [] if kind in ("any", "stateless") else self.optimizers
         for i, optimizer in enumerate(optimizers):
             if isinstance(optimizer, FlatShardedOptimizer):
                 optimizer.init_state()
@@ -1120,6 +1120,8 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
             for k in state:
                 finish_load(saved[k], state[k], self._merged())
         set_model_state_dict(self.model, state["state_dict"])
+        if kind == "stateless":
+            self._load_group_hyperparameters(reader)
         for i, optimizer in enumerate(optimizers):
             if isinstance(optimizer, FlatShardedOptimizer):
                 optimizer.load_state_dict(state[f"optimizer_{i}"])
@@ -1135,6 +1137,21 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
             # (a copy: the targets are the module's parameters, which the callback overwrites next).
             checkpoint["state_dict"] = _detached_copy(state["state_dict"])
         return checkpoint
+
+    def _load_group_hyperparameters(self, reader: Any) -> None:
+        """Optimizers saved without per-parameter state (SGD without momentum): their groups' hyper-parameters
+        (the learning rate a scheduler set, ...) are read into this run's groups, in any layout (the run resumed at
+        its configured learning rate before: one epoch scheduler step lost at every resume)."""
+        import torch.distributed.checkpoint as dcp
+
+        groups = {
+            f"optimizer_{i}": {"param_groups": [{k: v for k, v in g.items() if k != "params"} for g in o.param_groups]}
+            for i, o in enumerate(self.optimizers)
+        }
+        dcp.load(groups, storage_reader=reader)
+        for i, optimizer in enumerate(self.optimizers):
+            for group, saved in zip(optimizer.param_groups, groups[f"optimizer_{i}"]["param_groups"], strict=True):
+                group.update(saved)
 
     def _drop_unsaved_group_keys(self, location: str) -> None:
         """Hyper-parameters the optimizers' groups hold now but the checkpoint did not save are dropped before loading

@@ -235,3 +235,109 @@ def test_the_process_group_is_destroyed_at_exit_when_the_run_left_it():
     assert done.returncode == 0, done.stderr[-2000:]
     assert "group alive after fit: True" in done.stdout  # Lightning leaves it (a second fit may reuse it)
     assert "group alive at exit: False" in done.stdout, done.stdout
+
+
+class _Crash(Exception):
+    """A job killed right after a checkpoint's commit."""
+
+
+class _Validated(L.LightningModule):
+    """Records its validations and epoch ends (global step at each); an epoch-interval StepLR and a plateau scheduler
+    on a constant validation metric (it lowers the learning rate at every epoch end after the first) both act on the
+    learning rate. ``crash_at``: raise right after the checkpoint of that step, before anything else runs."""
+
+    def __init__(self, crash_at: int | None = None) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+        self.events: list[tuple[str, int]] = []
+        self.crash_at = crash_at
+        self._armed = False
+
+    def _event(self, name: str) -> None:
+        if self._armed:
+            raise _Crash(name)
+        self.events.append((name, self.global_step))
+
+    def training_step(self, batch, batch_idx):
+        return (self.layer(batch[0]) - batch[1]).pow(2).mean()
+
+    def on_train_batch_start(self, batch, batch_idx) -> None:
+        if self._armed:
+            raise _Crash("batch")
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:  # after the callbacks' (ModelCheckpoint's)
+        self._armed = self.global_step == self.crash_at and not self.trainer.fit_loop.epoch_loop._should_accumulate()
+
+    def validation_step(self, batch, batch_idx) -> None:
+        self.log("constant", 1.0)
+
+    def on_validation_start(self) -> None:
+        self._event("validation")
+
+    def on_train_epoch_end(self) -> None:
+        self._event("epoch end")
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+        step = torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.5)
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="min", patience=0, factor=0.5)
+        return [optimizer], [{"scheduler": step, "interval": "epoch"},
+                             {"scheduler": plateau, "interval": "epoch", "monitor": "constant"}]  # fmt: skip
+
+    def _data(self, n: int, seed: int):
+        g = torch.Generator().manual_seed(seed)
+        data = torch.utils.data.TensorDataset(torch.randn(n, 4, generator=g), torch.randn(n, 1, generator=g))
+        return torch.utils.data.DataLoader(data, batch_size=4, shuffle=seed == 0)
+
+    def train_dataloader(self):
+        return self._data(24, 0)  # 6 batches
+
+    def val_dataloader(self):
+        return self._data(8, 1)
+
+
+@pytest.mark.parametrize(
+    ("trainer_kwargs", "every", "crash_at"),
+    [
+        pytest.param({"val_check_interval": 2}, 2, 4, id="validation-mid-epoch"),
+        pytest.param({"val_check_interval": 4, "accumulate_grad_batches": 2}, 1, 2, id="accumulating"),
+        pytest.param({}, 3, 6, id="last-batch-of-the-epoch"),
+    ],
+)
+@pytest.mark.parametrize("strategy", ["ddp", "zero1"])
+def test_a_resume_from_a_step_checkpoint_runs_what_was_due_after_it(
+    tmp_path, trainer_kwargs, every, crash_at, strategy
+):
+    """A checkpoint of ``ModelCheckpoint(every_n_train_steps=...)`` is written at the end of a training batch; the
+    validation due after that batch, and after an epoch's last batch the epoch's end, run after it. Lightning alone,
+    resuming from it, skipped them (and the plateau step at the end of the epoch it resumed in): the learning rate and
+    the recorded validations and epoch ends differed from the uninterrupted run's. Here every validation and epoch
+    end happens once, in order, across the crashed and the resumed job, and the run ends as the uninterrupted one.
+    Under ZeroStrategy, SGD without momentum is saved without per-parameter state: its learning rate was not restored
+    either (the folder was taken for a weights-only one)."""
+
+    def fit(folder: Path, crash_at: int | None, ckpt_path: str | None) -> tuple[L.Trainer, _Validated]:
+        L.seed_everything(0, verbose=False)
+        model = _Validated(crash_at)
+        trainer = L.Trainer(
+            accelerator="cpu", devices=1, strategy=ZeroStrategy(stage=1) if strategy == "zero1" else "ddp",
+            max_epochs=3, logger=False, enable_progress_bar=False, enable_model_summary=False,
+            num_sanity_val_steps=0,
+            callbacks=[*([FaultTolerance()] if strategy == "ddp" else []),
+                       ModelCheckpoint(dirpath=folder, every_n_train_steps=every, save_last=True)],
+            **trainer_kwargs,
+        )  # fmt: skip
+        if crash_at is None:
+            trainer.fit(model, ckpt_path=ckpt_path)
+        else:
+            with pytest.raises(_Crash):
+                trainer.fit(model, ckpt_path=ckpt_path)
+        return trainer, model
+
+    reference_trainer, reference = fit(tmp_path / "ref", None, None)
+    _, crashed = fit(tmp_path / "run", crash_at, None)
+    trainer, resumed = fit(tmp_path / "run", None, "last")
+    assert crashed.events + resumed.events == reference.events
+    assert trainer.optimizers[0].param_groups[0]["lr"] == reference_trainer.optimizers[0].param_groups[0]["lr"]
+    for a, b in zip(reference.state_dict().values(), resumed.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
