@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import signal
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -39,6 +40,25 @@ def test_a_run_resumed_twice_at_and_after_an_epoch_end_ends_bit_identical(tmp_pa
     ZeRO-1 and ZeRO-3 alike; the seeded matrix had not drawn these two faults together)."""
     result = run_chaos("ddp_gpt", tmp_path, faults=[("save_after_commit", 6, 0), ("save_after_commit", 8, 0)])
     assert result.kills_survived == 2 and not result.notes, result.notes
+    assert result.identical, f"max |difference| {result.max_abs_diff}"
+
+
+def test_a_validation_due_after_a_step_checkpoint_runs_again_after_the_kill(tmp_path):
+    """Validation every 2 of each epoch's 3 batches (after steps 2, 5, 8) and a checkpoint every 2 steps, on 2 ranks
+    under ZeroStrategy. Killed right after the commit of step 4's first file (``last`` still names step 2's), then
+    inside step 9: each relaunch resumes from a checkpoint written before the validation due after it (steps 2 and
+    8), and runs that validation first. Lightning alone resumed past them (the validations of the relaunches were
+    [5, 8] and [], the plateau step or early-stopping count they feed lost); the run ends bit-identical."""
+    result = run_chaos("zero1_gpt", tmp_path, faults=[("save_after_commit", 4, 0), ("step", 8, 1)], val_every=2)
+    assert result.kills_survived == 2 and not result.notes, result.notes
+    assert result.resumed_from == [0, 2, 8], result.resumed_from
+
+    def validations(folder: Path, launch_id: str) -> list[int]:
+        path = folder / f"validations-{launch_id}.txt"
+        return [int(line) for line in path.read_text().split()] if path.exists() else []
+
+    assert validations(tmp_path / "reference", "ref") == [2, 5, 8]
+    assert [validations(tmp_path / "chaos", str(i)) for i in range(3)] == [[2], [2, 5, 8], [8]]
     assert result.identical, f"max |difference| {result.max_abs_diff}"
 
 

@@ -104,6 +104,11 @@ def _job(args: argparse.Namespace) -> int:
         def on_before_optimizer_step(self, trainer: L.Trainer, *a: Any) -> None:
             self._maybe(trainer, "step")
 
+        def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            if rank == 0 and trainer.state.fn == "fit":
+                with open(Path(args.out, f"validations-{args.launch}.txt"), "a") as f:
+                    f.write(f"{trainer.global_step}\n")
+
         def on_train_batch_end(self, trainer: L.Trainer, *a: Any) -> None:
             if args.sigterm is not None and trainer.global_step == args.sigterm and local_rank == 1:
                 os.kill(os.getppid(), signal.SIGTERM)  # the launcher (rank 0's process) is told to stop
@@ -129,7 +134,8 @@ def _job(args: argparse.Namespace) -> int:
     from tests.test_settings_integration import _COMMON, _flat_state
 
     common = {**_COMMON, "devices": args.devices, "num_nodes": setting.num_nodes}
-    trainer = L.Trainer(max_epochs=args.epochs, limit_val_batches=0, **common, **extra)
+    validation = {"val_check_interval": args.val_every, "limit_val_batches": 2} if args.val_every else {}
+    trainer = L.Trainer(max_epochs=args.epochs, **{"limit_val_batches": 0, **validation}, **common, **extra)
     trainer.fit(model, datamodule=setting.data(), ckpt_path="last")
 
     state = _flat_state(model)
@@ -233,10 +239,13 @@ def _launch(
     extra: tuple[str, ...] = (),
     kill_after: float | None = None,
     nodes: int = 1,
+    val_every: int | None = None,
 ) -> int:
     """One job; returns its status (``-9`` when a fault killed it). ``kill_after``: SIGKILL the whole job after
     that many seconds (a kill at a random moment), unless it finished before. ``nodes``: the job starts one process per
-    "node" on this host (:func:`_nodes`; they meet at a free local port), all in the job's process group."""
+    "node" on this host (:func:`_nodes`; they meet at a free local port), all in the job's process group.
+    ``val_every``: validate (2 batches) every that many training batches; rank 0 records the global step of each
+    validation in ``validations-<launch>.txt``."""
     cmd = [sys.executable, "-m", "tests.helpers.chaos", *extra, "--setting", setting, "--out", str(workdir),
            "--ckpt-dir", str(workdir / "ckpt"), "--launch", launch_id, "--epochs", str(epochs),
            "--every", str(every), "--devices", str(devices)]  # fmt: skip
@@ -244,6 +253,8 @@ def _launch(
         cmd += ["--fault", "@".join(map(str, fault))]
     if sigterm is not None:
         cmd += ["--sigterm", str(sigterm)]
+    if val_every is not None:
+        cmd += ["--val-every", str(val_every)]
     # A job is launched as a scheduler launches one: no rendezvous variables inherited from the test process.
     env = {k: v for k, v in os.environ.items() if k not in _RENDEZVOUS}
     # PYTHONFAULTHANDLER: a job that aborts (SIGABRT, e.g. at interpreter exit) dumps every Python thread to its log.
@@ -354,6 +365,7 @@ def run_chaos(
     every: int = 2,
     faults: list[tuple[str, int, int]] | None = None,
     timed: int = 0,
+    val_every: int | None = None,
 ) -> ChaosResult:
     """Uninterrupted job, then one job per fault, then ``timed`` jobs killed at seeded random moments (a delay
     drawn from 40-95% of the uninterrupted job's wall time: inside start-up, a step, a save or a rename, wherever
@@ -368,7 +380,7 @@ def run_chaos(
     ref_dir.mkdir(parents=True, exist_ok=True)
     notes: list[str] = []
     started = time.perf_counter()
-    if launch(setting, ref_dir, "ref", epochs=epochs, every=every, nodes=nodes) != 0:
+    if launch(setting, ref_dir, "ref", epochs=epochs, every=every, nodes=nodes, val_every=val_every) != 0:
         raise RuntimeError(f"uninterrupted run of {setting} failed: {(ref_dir / 'log-ref.txt').read_text()[-3000:]}")
     run_dir = workdir / "chaos"
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -384,11 +396,13 @@ def run_chaos(
     rcs, resumed = [], []
     for i, job in enumerate(jobs):
         if isinstance(job, float):
-            rc = launch(setting, run_dir, str(i), epochs=epochs, every=every, kill_after=job, nodes=nodes)
+            rc = launch(setting, run_dir, str(i), epochs=epochs, every=every, kill_after=job, nodes=nodes,
+                        val_every=val_every)  # fmt: skip
             if rc != -signal.SIGKILL:
                 notes.append(f"the job finished before its kill at {job} s")
         else:
-            rc = launch(setting, run_dir, str(i), fault=job, epochs=epochs, every=every, nodes=nodes)
+            rc = launch(setting, run_dir, str(i), fault=job, epochs=epochs, every=every, nodes=nodes,
+                        val_every=val_every)  # fmt: skip
             if job is not None and rc != -signal.SIGKILL:
                 notes.append(f"fault {job} did not kill the job (status {rc})")
         rcs.append(rc)
@@ -425,6 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--streaming", default=None, help="data job: a StreamingDataset URL of the sample ids")
     parser.add_argument("--kill-at", type=int, default=-1, help="data job: SIGKILL the job at this global step")
     parser.add_argument("--nodes", type=int, default=1, help="launch this many node processes (a row's num_nodes)")
+    parser.add_argument("--val-every", type=int, default=None, help="validate every this many training batches")
     args = parser.parse_args(argv)
     if args.nodes > 1:
         rest = list(sys.argv[1:] if argv is None else argv)
