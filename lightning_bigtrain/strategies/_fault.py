@@ -9,6 +9,7 @@ import contextlib
 import os
 import signal
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -46,12 +47,20 @@ class Preempted(SystemExit):
 _EXIT_HOOK = [False]
 
 
+_EXIT_GRACE_S = 0.1
+
+
 def destroy_process_group_at_exit() -> None:
     """Destroy the default process group when the interpreter exits (an ``atexit`` hook, while Python is still whole),
-    where the run has not. A process that exits with its gloo group alive can abort in interpreter finalization
-    (gloo's worker threads still hold finished work whose tensors reference Python objects; pytorch#190489): a job
-    whose training finished then dies with SIGABRT ("terminate called without an active exception"), its scheduler
-    sees a failure and relaunches it. Registered once per process."""
+    where the run has not, then hand the GIL to gloo's worker threads for a moment. A process that exits with its gloo
+    group alive can abort in interpreter finalization (gloo's worker threads still hold finished work whose tensors
+    reference Python objects; pytorch#190489): a job whose training finished then dies with SIGABRT ("terminate called
+    without an active exception"), its scheduler sees a failure and relaunches it. Destroying the group is not enough
+    (2 of about 100 finished 2-rank jobs still aborted, the group destroyed): a worker releases a finished collective's tensors after
+    the caller has woken from its wait, and one still doing so once the interpreter finalizes cannot take the GIL; its
+    thread exits through C++ frames that may not unwind (a core dump: the worker in ``take_gil`` under
+    ``~AsyncAllreduceWork`` while the main thread collected garbage in ``Py_FinalizeEx``). Registered once per
+    process."""
     if _EXIT_HOOK[0]:
         return
     _EXIT_HOOK[0] = True
@@ -60,6 +69,7 @@ def destroy_process_group_at_exit() -> None:
         if dist.is_available() and dist.is_initialized():
             with contextlib.suppress(Exception):  # exiting: nothing to report it to
                 dist.destroy_process_group()
+        time.sleep(_EXIT_GRACE_S)  # releases the GIL: workers finish releasing their last work before finalization
 
     atexit.register(destroy)
 
