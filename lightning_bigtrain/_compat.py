@@ -45,8 +45,10 @@ __all__ = [
     "drop_fit_dataloaders",
     "fit_combined_loader",
     "forward_redirection",
+    "restore_callback_metrics",
     "rewrap_ddp",
     "run_pending_batch_end",
+    "saved_callback_metrics",
     "should_accumulate",
     "update_plateau_schedulers_at_restored_epoch_end",
     "weight_averaging_callbacks",
@@ -115,6 +117,52 @@ def update_plateau_schedulers_at_restored_epoch_end(trainer: Any) -> None:
     configs = [c for c in trainer.lr_scheduler_configs if c.reduce_on_plateau and c.interval == "epoch"]
     if configs and all(c.monitor in trainer.callback_metrics for c in configs):
         fit_loop._restarting = False  # this loop's flag only: it ends with this iteration anyway
+
+
+def saved_callback_metrics(trainer: Any) -> dict[str, Any]:
+    """The scalar metrics ``trainer.callback_metrics`` holds (what plateau schedulers and other monitors read),
+    detached on the CPU: put into a checkpoint, since Lightning saves none."""
+    import torch
+
+    return {
+        name: value.detach().cpu().clone()
+        for name, value in trainer.callback_metrics.items()
+        if isinstance(value, torch.Tensor) and value.numel() == 1
+    }
+
+
+def restore_callback_metrics(trainer: Any, saved: dict[str, Any]) -> None:
+    """Resuming (call in ``on_train_start``): the checkpoint's metrics (:func:`saved_callback_metrics`) back into
+    ``trainer.callback_metrics`` where this process has none, and the epoch's ``ReduceLROnPlateau`` step Lightning
+    skips on a restart from a checkpoint written at the epoch's end.
+
+    A checkpoint written in ``on_train_epoch_end`` (``ModelCheckpoint``'s default when validation runs at the epoch's
+    end) comes before the epoch's plateau step; one written in ``on_validation_end`` (a metric-monitoring
+    ``ModelCheckpoint``) before the plateau step of that batch. Lightning 2.6, resuming, skips the first (the
+    learning rate then lags a plateau step for the rest of the run) and takes the second without the metric, which
+    is in no checkpoint ("ReduceLROnPlateau conditioned on metric ... which is not available" under ``strict``).
+    With the saved values both are taken as in the uninterrupted run.
+    """
+    from lightning.pytorch.trainer import call
+
+    if not saved:
+        return
+    metrics = trainer._logger_connector._callback_metrics
+    for name, value in saved.items():
+        metrics.setdefault(name, value)
+    fit_loop = trainer.fit_loop
+    if not (fit_loop.restarted_on_epoch_end or fit_loop.resumed_on_epoch_end):
+        return
+    if trainer.lightning_module is None or not trainer.lightning_module.automatic_optimization:
+        return
+    ended = fit_loop.epoch_progress.current.processed  # the ended epoch's index + 1, as Lightning counts it there
+    progress = fit_loop.epoch_loop.scheduler_progress
+    for config in trainer.lr_scheduler_configs:
+        due = config.reduce_on_plateau and config.interval == "epoch" and ended % config.frequency == 0
+        if due and config.monitor in saved:
+            progress.increment_ready()
+            call._call_lightning_module_hook(trainer, "lr_scheduler_step", config.scheduler, saved[config.monitor])
+            progress.increment_completed()
 
 
 def drop_fit_dataloaders(trainer: Any) -> bool:

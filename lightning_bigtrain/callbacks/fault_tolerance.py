@@ -21,12 +21,18 @@ import lightning as L
 import torch
 from typing_extensions import override
 
-from lightning_bigtrain._compat import run_pending_batch_end, update_plateau_schedulers_at_restored_epoch_end
+from lightning_bigtrain._compat import (
+    restore_callback_metrics,
+    run_pending_batch_end,
+    saved_callback_metrics,
+    update_plateau_schedulers_at_restored_epoch_end,
+)
 from lightning_bigtrain.checkpointing import AtomicCheckpointIO, atomic_folder_save, load_path
 from lightning_bigtrain.data.resumable import load_pending_states, make_resumable
 from lightning_bigtrain.strategies._fault import (
     _SIGNALS,
     EXIT_PREEMPTED,
+    METRICS_KEY,
     FaultTolerantStrategyMixin,
     Preempted,
     Preemption,
@@ -99,6 +105,7 @@ class FaultTolerance(L.Callback):
         self._restore: list[tuple[Any, str, Any]] = []
         self._active = False
         self._rng_seed: int | None = None
+        self._saved_metrics: dict[str, Any] | None = None
 
     @property
     def state_key(self) -> str:
@@ -170,6 +177,8 @@ class FaultTolerance(L.Callback):
             load_pending_states(trainer)
         if self._active:
             run_pending_batch_end(trainer)
+            restore_callback_metrics(trainer, self._saved_metrics or {})
+        self._saved_metrics = None
         if self._active and self._preemption is not None:
             self._preemption.install()
 
@@ -193,6 +202,15 @@ class FaultTolerance(L.Callback):
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._active:
             update_plateau_schedulers_at_restored_epoch_end(trainer)
+
+    @override
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+        if self._active:
+            checkpoint[METRICS_KEY] = saved_callback_metrics(trainer)
+
+    @override
+    def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+        self._saved_metrics = checkpoint.get(METRICS_KEY)
 
     @override
     def state_dict(self) -> dict[str, Any]:

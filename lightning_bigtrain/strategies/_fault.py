@@ -20,7 +20,9 @@ from typing_extensions import override
 
 from lightning_bigtrain._compat import (
     StrategyMixinBase,
+    restore_callback_metrics,
     run_pending_batch_end,
+    saved_callback_metrics,
     should_accumulate,
     update_plateau_schedulers_at_restored_epoch_end,
 )
@@ -30,6 +32,7 @@ from lightning_bigtrain.data.resumable import load_pending_states, make_resumabl
 __all__ = ["EXIT_PREEMPTED", "FaultTolerantStrategyMixin", "Preempted", "Preemption"]
 
 EXIT_PREEMPTED = 75
+METRICS_KEY = "bigtrain_callback_metrics"  # the scalar callback metrics at the save (Lightning saves none)
 _SIGNALS = ("SIGTERM", "SIGUSR1")
 
 
@@ -164,10 +167,15 @@ def repair_epoch_progress(trainer: L.Trainer) -> None:
 
 class _PreemptionHook(L.Callback):
     """Put into ``trainer.callbacks`` by this package's strategies for the fit (strategies have no batch-end
-    hook): the preemption check, the epoch-progress repair, the plateau schedulers at a restored epoch's end."""
+    hook): the preemption check, the epoch-progress repair, the plateau schedulers at a restored epoch's end, the
+    callback metrics into checkpoints."""
 
     def __init__(self, preemption: Preemption) -> None:
         self.preemption = preemption
+
+    @override
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+        checkpoint[METRICS_KEY] = saved_callback_metrics(trainer)
 
     @override
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
@@ -197,11 +205,17 @@ class FaultTolerantStrategyMixin(StrategyMixinBase):
     preemption signals. Folder checkpoints are committed by each strategy's ``save_checkpoint``."""
 
     _preemption: Preemption | None = None
+    _saved_metrics: dict[str, Any] | None = None
 
     def _init_fault_tolerance(self) -> None:
         if getattr(self, "_checkpoint_io", None) is None:
             cast(Any, self).checkpoint_io = AtomicCheckpointIO()  # the Strategy's property setter
         self._preemption = Preemption()
+
+    def _keep_saved_metrics(self, checkpoint: dict[str, Any]) -> None:
+        """Called by each strategy's ``load_checkpoint``: the callback metrics the checkpoint holds, restored at
+        ``on_train_start``."""
+        self._saved_metrics = checkpoint.pop(METRICS_KEY, None)
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -221,6 +235,8 @@ class FaultTolerantStrategyMixin(StrategyMixinBase):
         trainer: Any = self.lightning_module.trainer
         load_pending_states(trainer)
         run_pending_batch_end(trainer)
+        restore_callback_metrics(trainer, self._saved_metrics or {})
+        self._saved_metrics = None
         destroy_process_group_at_exit()
         if self._preemption is not None:
             self._preemption.install()

@@ -243,46 +243,58 @@ class _Crash(Exception):
 
 class _Validated(L.LightningModule):
     """Records its validations and epoch ends (global step at each); an epoch-interval StepLR and a plateau scheduler
-    on a constant validation metric (it lowers the learning rate at every epoch end after the first) both act on the
-    learning rate. ``crash_at``: raise right after the checkpoint of that step, before anything else runs."""
+    on a constant validation metric (it lowers the learning rate at every update after the first; per epoch, or
+    every 2 steps with ``plateau="step"``) both act on the learning rate. ``crash_at``: raise in the first hook after
+    the checkpoint of that step (armed while it is written), before anything else of the run happens."""
 
-    def __init__(self, crash_at: int | None = None) -> None:
+    def __init__(self, crash_at: int | None = None, plateau: str = "epoch") -> None:
         super().__init__()
         self.layer = torch.nn.Linear(4, 1)
         self.events: list[tuple[str, int]] = []
         self.crash_at = crash_at
+        self.plateau = plateau
         self._armed = False
 
-    def _event(self, name: str) -> None:
+    def on_save_checkpoint(self, checkpoint) -> None:
+        self._armed = self.global_step == self.crash_at
+
+    def _next(self, event: str | None = None) -> None:
         if self._armed:
-            raise _Crash(name)
-        self.events.append((name, self.global_step))
+            raise _Crash(event)
+        if event is not None:
+            self.events.append((event, self.global_step))
 
     def training_step(self, batch, batch_idx):
         return (self.layer(batch[0]) - batch[1]).pow(2).mean()
 
     def on_train_batch_start(self, batch, batch_idx) -> None:
-        if self._armed:
-            raise _Crash("batch")
+        self._next()
 
-    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:  # after the callbacks' (ModelCheckpoint's)
-        self._armed = self.global_step == self.crash_at and not self.trainer.fit_loop.epoch_loop._should_accumulate()
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        self._next()
 
     def validation_step(self, batch, batch_idx) -> None:
         self.log("constant", 1.0)
 
     def on_validation_start(self) -> None:
-        self._event("validation")
+        self._next("validation")
+
+    def on_validation_end(self) -> None:
+        self._next()
+
+    def on_train_epoch_start(self) -> None:
+        self._next()
 
     def on_train_epoch_end(self) -> None:
-        self._event("epoch end")
+        self._next("epoch end")
 
     def configure_optimizers(self):
         optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
         step = torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.5)
         plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="min", patience=0, factor=0.5)
+        every = {"interval": "step", "frequency": 2} if self.plateau == "step" else {"interval": "epoch"}
         return [optimizer], [{"scheduler": step, "interval": "epoch"},
-                             {"scheduler": plateau, "interval": "epoch", "monitor": "constant"}]  # fmt: skip
+                             {"scheduler": plateau, "monitor": "constant", **every}]  # fmt: skip
 
     def _data(self, n: int, seed: int):
         g = torch.Generator().manual_seed(seed)
@@ -297,34 +309,51 @@ class _Validated(L.LightningModule):
 
 
 @pytest.mark.parametrize(
-    ("trainer_kwargs", "every", "crash_at"),
+    ("trainer_kwargs", "checkpoint_kwargs", "plateau", "crash_at"),
     [
-        pytest.param({"val_check_interval": 2}, 2, 4, id="validation-mid-epoch"),
-        pytest.param({"val_check_interval": 4, "accumulate_grad_batches": 2}, 1, 2, id="accumulating"),
-        pytest.param({}, 3, 6, id="last-batch-of-the-epoch"),
+        pytest.param({"val_check_interval": 2}, {"every_n_train_steps": 2}, "epoch", 4, id="validation-mid-epoch"),
+        pytest.param(
+            {"val_check_interval": 4, "accumulate_grad_batches": 2},
+            {"every_n_train_steps": 1},
+            "epoch",
+            2,
+            id="accumulating",
+        ),
+        pytest.param({}, {"every_n_train_steps": 3}, "epoch", 6, id="last-batch-of-the-epoch"),
+        pytest.param({}, {}, "epoch", 6, id="default-checkpoint-at-the-epoch-end"),
+        pytest.param(
+            {"val_check_interval": 2},
+            {"monitor": "constant", "save_top_k": -1},
+            "step",
+            4,
+            id="metric-checkpoint-mid-epoch",
+        ),
     ],
 )
 @pytest.mark.parametrize("strategy", ["ddp", "zero1"])
-def test_a_resume_from_a_step_checkpoint_runs_what_was_due_after_it(
-    tmp_path, trainer_kwargs, every, crash_at, strategy
+def test_a_resume_runs_what_was_due_after_its_checkpoint(
+    tmp_path, trainer_kwargs, checkpoint_kwargs, plateau, crash_at, strategy
 ):
-    """A checkpoint of ``ModelCheckpoint(every_n_train_steps=...)`` is written at the end of a training batch; the
-    validation due after that batch, and after an epoch's last batch the epoch's end, run after it. Lightning alone,
-    resuming from it, skipped them (and the plateau step at the end of the epoch it resumed in): the learning rate and
-    the recorded validations and epoch ends differed from the uninterrupted run's. Here every validation and epoch
-    end happens once, in order, across the crashed and the resumed job, and the run ends as the uninterrupted one.
-    Under ZeroStrategy, SGD without momentum is saved without per-parameter state: its learning rate was not restored
-    either (the folder was taken for a weights-only one)."""
+    """A checkpoint is written inside a hook; what comes after it in the uninterrupted run must happen in the
+    resumed one. ``ModelCheckpoint(every_n_train_steps=...)`` writes at the end of a training batch, before the
+    validation due after it, the plateau step and, after an epoch's last batch, the epoch's end: Lightning alone,
+    resuming, skipped them (and the plateau step at the end of the epoch a run resumed in). The default
+    ``ModelCheckpoint()`` writes in ``on_train_epoch_end``, before the epoch's plateau step: skipped. A
+    metric-monitoring one writes in ``on_validation_end``, before that batch's plateau step: taken without the metric,
+    which is in no checkpoint (``strict``: the resume failed). Here every validation and epoch end happens once, in
+    order, across the crashed and the resumed job, and the run ends with the uninterrupted one's weights and learning
+    rate. Under ZeroStrategy, SGD without momentum is saved without per-parameter state: its learning rate was not
+    restored either (the folder was taken for a weights-only one)."""
 
     def fit(folder: Path, crash_at: int | None, ckpt_path: str | None) -> tuple[L.Trainer, _Validated]:
         L.seed_everything(0, verbose=False)
-        model = _Validated(crash_at)
+        model = _Validated(crash_at, plateau)
         trainer = L.Trainer(
             accelerator="cpu", devices=1, strategy=ZeroStrategy(stage=1) if strategy == "zero1" else "ddp",
             max_epochs=3, logger=False, enable_progress_bar=False, enable_model_summary=False,
             num_sanity_val_steps=0,
             callbacks=[*([FaultTolerance()] if strategy == "ddp" else []),
-                       ModelCheckpoint(dirpath=folder, every_n_train_steps=every, save_last=True)],
+                       ModelCheckpoint(dirpath=folder, save_last=True, **checkpoint_kwargs)],
             **trainer_kwargs,
         )  # fmt: skip
         if crash_at is None:
