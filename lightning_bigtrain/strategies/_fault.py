@@ -62,9 +62,8 @@ def destroy_process_group_at_exit() -> None:
     (2 of about 100 finished 2-rank jobs still aborted, the group destroyed): a worker releases a finished
     collective's tensors after the caller has woken from its wait, and one still doing so once the interpreter
     finalizes cannot take the GIL; its thread exits through C++ frames that may not unwind (a core dump: the worker in
-    ``take_gil`` under
-    ``~AsyncAllreduceWork`` while the main thread collected garbage in ``Py_FinalizeEx``). Registered once per
-    process."""
+    ``take_gil`` under ``~AsyncAllreduceWork`` while the main thread collected garbage in ``Py_FinalizeEx``).
+    Registered once per process."""
     if _EXIT_HOOK[0]:
         return
     _EXIT_HOOK[0] = True
