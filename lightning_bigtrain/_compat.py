@@ -43,9 +43,11 @@ __all__ = [
     "_update_dataloader",
     "combined_mode",
     "drop_fit_dataloaders",
+    "epoch_results",
     "fit_combined_loader",
     "forward_redirection",
     "restore_callback_metrics",
+    "restore_epoch_results",
     "rewrap_ddp",
     "run_pending_batch_end",
     "saved_callback_metrics",
@@ -163,6 +165,97 @@ def restore_callback_metrics(trainer: Any, saved: dict[str, Any]) -> None:
             progress.increment_ready()
             call._call_lightning_module_hook(trainer, "lr_scheduler_step", config.scheduler, saved[config.monitor])
             progress.increment_completed()
+
+
+# The reductions `self.log(..., reduce_fx=...)` accepts, by the name a checkpoint records (Lightning compares the
+# function objects: a restored entry must hold the very one the module passes).
+def _reductions() -> dict[str, Any]:
+    import torch
+
+    return {"mean": torch.mean, "sum": torch.sum, "builtins.sum": sum, "max": torch.max, "builtins.max": max,
+            "min": torch.min, "builtins.min": min}  # fmt: skip
+
+
+def epoch_results(trainer: Any) -> tuple[dict[str, dict[str, Any]], list[str]] | None:
+    """This rank's epoch aggregates of the training ``self.log(..., on_epoch=True)`` calls so far (Lightning's
+    training ``_ResultCollection``), as plain data for a checkpoint, and the names it cannot record (logged with a
+    ``sync_dist_group`` or a custom reduction); None outside an epoch's training (before its start hooks ran, or once
+    its end began: the next epoch starts afresh there).
+
+    A ``torchmetrics.Metric`` logged as a value is recorded by its attribute name only: its state is the module's.
+    """
+    fit_loop = trainer.fit_loop
+    current = fit_loop.epoch_progress.current
+    if not (current.ready == current.started > current.processed == current.completed):
+        return None
+    names = {id(fn): name for name, fn in _reductions().items()}
+    out: dict[str, dict[str, Any]] = {}
+    skipped: list[str] = []
+    for key, item in fit_loop.epoch_loop._results.items():
+        meta = item.meta
+        if item.has_reset or not meta.on_epoch:
+            continue
+        reduce = names.get(id(meta.reduce_fx))
+        if reduce is None or meta.sync.group is not None or (not item.is_tensor and meta.metric_attribute is None):
+            skipped.append(meta.name)
+            continue
+        record: dict[str, Any] = {
+            "fx": meta.fx, "name": meta.name, "prog_bar": meta.prog_bar, "logger": meta.logger,
+            "on_step": meta.on_step, "on_epoch": meta.on_epoch, "reduce": reduce, "enable_graph": meta.enable_graph,
+            "add_dataloader_idx": meta.add_dataloader_idx, "dataloader_idx": meta.dataloader_idx,
+            "metric_attribute": meta.metric_attribute, "sync": meta.sync.should,
+            "rank_zero_only": meta.sync.rank_zero_only, "tensor": item.is_tensor,
+        }  # fmt: skip
+        if item.is_tensor:
+            record["value"] = item.value.detach().cpu().clone()
+            if meta.is_mean_reduction:
+                record["count"] = int(item.cumulated_batch_size)
+        out[key] = record
+    return out, skipped
+
+
+def restore_epoch_results(trainer: Any, saved: dict[str, dict[str, Any]]) -> None:
+    """Put :func:`epoch_results` back into the training ``_ResultCollection`` of a fit resumed inside the epoch they
+    were saved in (call at ``on_train_start``): the epoch's logged aggregates then cover its batches before the
+    checkpoint too, as in the uninterrupted run (Lightning 2.6 saves none: after a mid-epoch resume an epoch mean
+    covered only the batches after it). The logger connector is put past the epoch's first batch, where Lightning
+    would reset the epoch's tensors at the first ``self.log``."""
+    import torch
+    from lightning.pytorch.trainer.connectors.logger_connector.result import _Metadata, _ResultMetric, _Sync
+
+    if not saved:
+        return
+    results = trainer.fit_loop.epoch_loop._results
+    module = trainer.lightning_module
+    device = trainer.strategy.root_device
+    reductions = _reductions()
+    for key, record in saved.items():
+        meta = _Metadata(
+            fx=record["fx"], name=record["name"], prog_bar=record["prog_bar"], logger=record["logger"],
+            on_step=record["on_step"], on_epoch=record["on_epoch"], reduce_fx=reductions[record["reduce"]],
+            enable_graph=record["enable_graph"], add_dataloader_idx=record["add_dataloader_idx"],
+            dataloader_idx=record["dataloader_idx"], metric_attribute=record["metric_attribute"],
+        )  # fmt: skip
+        # As LightningModule.log builds it, so that the module's next call with the same arguments matches.
+        meta.sync = _Sync(
+            _should=record["sync"], fn=trainer.strategy.reduce, _group=None, rank_zero_only=record["rank_zero_only"]
+        )
+        if record["tensor"]:
+            item = _ResultMetric(meta, True)
+            item.value = record["value"].to(device)
+            if meta.is_mean_reduction:
+                item.cumulated_batch_size = torch.tensor(record["count"], device=device)
+        else:
+            try:
+                value = module.get_submodule(record["metric_attribute"])
+            except AttributeError:
+                continue
+            item = _ResultMetric(meta, False)
+            item.value = value
+        item._update_count = 1  # updated (in the saved process): computing it at the epoch's end does not warn
+        item.has_reset = False
+        results[key] = item
+    trainer._logger_connector._first_loop_iter = False
 
 
 def drop_fit_dataloaders(trainer: Any) -> bool:

@@ -24,11 +24,11 @@ from typing_extensions import override
 from lightning_bigtrain._compat import (
     restore_callback_metrics,
     run_pending_batch_end,
-    saved_callback_metrics,
     update_plateau_schedulers_at_restored_epoch_end,
 )
 from lightning_bigtrain.checkpointing import AtomicCheckpointIO, atomic_folder_save, load_path
 from lightning_bigtrain.data.resumable import load_pending_states, make_resumable
+from lightning_bigtrain.strategies._epoch_state import EPOCH_STATE_KEY, restore_epoch_state
 from lightning_bigtrain.strategies._fault import (
     _SIGNALS,
     EXIT_PREEMPTED,
@@ -39,6 +39,7 @@ from lightning_bigtrain.strategies._fault import (
     _check_signals,
     destroy_process_group_at_exit,
     repair_epoch_progress,
+    save_progress_state,
 )
 from lightning_bigtrain.warnings import NoEffectWarning, warn_once
 
@@ -106,6 +107,7 @@ class FaultTolerance(L.Callback):
         self._active = False
         self._rng_seed: int | None = None
         self._saved_metrics: dict[str, Any] | None = None
+        self._saved_epoch_state: dict[str, Any] | None = None
 
     @property
     def state_key(self) -> str:
@@ -178,7 +180,8 @@ class FaultTolerance(L.Callback):
         if self._active:
             run_pending_batch_end(trainer)
             restore_callback_metrics(trainer, self._saved_metrics or {})
-        self._saved_metrics = None
+            restore_epoch_state(trainer, self._saved_epoch_state)
+        self._saved_metrics = self._saved_epoch_state = None
         if self._active and self._preemption is not None:
             self._preemption.install()
 
@@ -206,11 +209,12 @@ class FaultTolerance(L.Callback):
     @override
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
         if self._active:
-            checkpoint[METRICS_KEY] = saved_callback_metrics(trainer)
+            save_progress_state(trainer, checkpoint)
 
     @override
     def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
         self._saved_metrics = checkpoint.get(METRICS_KEY)
+        self._saved_epoch_state = checkpoint.get(EPOCH_STATE_KEY)
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -28,6 +28,7 @@ from lightning_bigtrain._compat import (
 )
 from lightning_bigtrain.checkpointing import AtomicCheckpointIO
 from lightning_bigtrain.data.resumable import load_pending_states, make_resumable
+from lightning_bigtrain.strategies._epoch_state import EPOCH_STATE_KEY, epoch_state_for_checkpoint, restore_epoch_state
 
 __all__ = ["EXIT_PREEMPTED", "FaultTolerantStrategyMixin", "Preempted", "Preemption"]
 
@@ -167,14 +168,14 @@ def repair_epoch_progress(trainer: L.Trainer) -> None:
 class _PreemptionHook(L.Callback):
     """Put into ``trainer.callbacks`` by this package's strategies for the fit (strategies have no batch-end
     hook): the preemption check, the epoch-progress repair, the plateau schedulers at a restored epoch's end, the
-    callback metrics into checkpoints."""
+    callback metrics and the epoch's logged aggregates and metric states into checkpoints."""
 
     def __init__(self, preemption: Preemption) -> None:
         self.preemption = preemption
 
     @override
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
-        checkpoint[METRICS_KEY] = saved_callback_metrics(trainer)
+        save_progress_state(trainer, checkpoint)
 
     @override
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
@@ -187,6 +188,15 @@ class _PreemptionHook(L.Callback):
     @override
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         update_plateau_schedulers_at_restored_epoch_end(trainer)
+
+
+def save_progress_state(trainer: L.Trainer, checkpoint: dict[str, Any]) -> None:
+    """What Lightning leaves out of a checkpoint and a resume needs (from ``on_save_checkpoint``, on every rank): the
+    scalar callback metrics, and inside an epoch every rank's logged epoch aggregates and metric states."""
+    checkpoint[METRICS_KEY] = saved_callback_metrics(trainer)
+    state = epoch_state_for_checkpoint(trainer)
+    if state is not None:
+        checkpoint[EPOCH_STATE_KEY] = state
 
 
 def _last_path(trainer: L.Trainer) -> str:
@@ -205,6 +215,7 @@ class FaultTolerantStrategyMixin(StrategyMixinBase):
 
     _preemption: Preemption | None = None
     _saved_metrics: dict[str, Any] | None = None
+    _saved_epoch_state: dict[str, Any] | None = None
 
     def _init_fault_tolerance(self) -> None:
         if getattr(self, "_checkpoint_io", None) is None:
@@ -212,9 +223,10 @@ class FaultTolerantStrategyMixin(StrategyMixinBase):
         self._preemption = Preemption()
 
     def _keep_saved_metrics(self, checkpoint: dict[str, Any]) -> None:
-        """Called by each strategy's ``load_checkpoint``: the callback metrics the checkpoint holds, restored at
-        ``on_train_start``."""
+        """Called by each strategy's ``load_checkpoint``: the callback metrics and the epoch state the checkpoint
+        holds, restored at ``on_train_start``."""
         self._saved_metrics = checkpoint.pop(METRICS_KEY, None)
+        self._saved_epoch_state = checkpoint.pop(EPOCH_STATE_KEY, None)
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -235,7 +247,8 @@ class FaultTolerantStrategyMixin(StrategyMixinBase):
         load_pending_states(trainer)
         run_pending_batch_end(trainer)
         restore_callback_metrics(trainer, self._saved_metrics or {})
-        self._saved_metrics = None
+        restore_epoch_state(trainer, self._saved_epoch_state)
+        self._saved_metrics = self._saved_epoch_state = None
         destroy_process_group_at_exit()
         if self._preemption is not None:
             self._preemption.install()
