@@ -9,7 +9,8 @@ At the world size of the save each rank takes its own. At another world size (th
 documented rule, or reset with a warning naming it):
 
 * a value logged with ``sync_dist=True`` and a metric whose states all reduce by sum, concatenation, max or min (and
-  that syncs at compute, torchmetrics' default) are **merged onto rank 0**, the other ranks starting from the empty
+  that syncs over all ranks at compute, torchmetrics' default; not under tensor parallelism, where each metric syncs
+  over the ranks of its tensor-parallel coordinate) are **merged onto rank 0**, the other ranks starting from the empty
   state: the synced epoch value is the one every saved rank would have given together;
 * anything else is rank-local: rank ``r`` takes saved rank ``r``'s where there is one, ranks beyond the saved ones
   start empty, and a warning names what was dropped or started empty.
@@ -61,8 +62,8 @@ def restore_epoch_state(trainer: L.Trainer, saved: dict[str, Any] | None) -> Non
     """Put :func:`epoch_state_for_checkpoint`'s state back where the resumed fit continues the epoch it was saved in
     (call at ``on_train_start``, after the loop's pending work is set up); otherwise leave everything as it is."""
     module = trainer.lightning_module
-    if not saved or module is None or trainer.current_epoch != saved["epoch"]:
-        return
+    if not saved or module is None or not trainer.fit_loop.restarting or trainer.current_epoch != saved["epoch"]:
+        return  # not a resume (state loaded by a `validate(ckpt_path=...)` before a fresh fit), or another epoch
     ranks, rank, world = saved["ranks"], trainer.global_rank, trainer.world_size
     if len(ranks) == world:
         results, metrics = ranks[rank]["results"], ranks[rank]["metrics"]
@@ -175,7 +176,8 @@ def _repartition_metrics(
         if not parts:
             continue
         kinds = {state: getattr(metric._reductions.get(state), "__name__", None) for state in metric._defaults}
-        if metric.sync_on_compute and metric.dist_sync_fn is None and all(k in _MERGEABLE for k in kinds.values()):
+        synced_over_all = metric.sync_on_compute and metric.dist_sync_fn is None and metric.process_group is None
+        if synced_over_all and all(k in _MERGEABLE for k in kinds.values()):
             if rank == 0:
                 out[name] = _merge_metric(parts, kinds)
             continue
@@ -185,7 +187,7 @@ def _repartition_metrics(
     if local:
         warn_once(
             f"The checkpoint was written by {len(saved)} ranks, this run has {world}: the states of metrics "
-            f"{local} are rank-local (a reduction other than sum, cat, max or min, or not synced at compute): ranks "
+            f"{local} are rank-local (a reduction other than sum, cat, max or min, or not synced over all ranks): ranks "
             "beyond the saved ones start them empty, saved ranks beyond this run's are dropped.",
             BigtrainWarning,
         )
