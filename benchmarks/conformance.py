@@ -66,6 +66,14 @@ class LanguageModel(L.LightningModule):
         return self.model(x)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self.log("val_loss", self._loss(batch), sync_dist=True)
+
+    def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x, y = batch
         if self.style == "causal":
             loss = self.model(input_ids=x, labels=x).loss
@@ -78,7 +86,6 @@ class LanguageModel(L.LightningModule):
         else:
             logits = self(x)
             loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-        self.log("train_loss", loss)
         return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
@@ -99,11 +106,17 @@ class ImageClassifier(L.LightningModule):
         return self.model(x)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        x = F.interpolate(x, size=(32, 32), mode="bilinear", align_corners=False).expand(-1, self.channels, -1, -1)
-        loss = F.cross_entropy(self(x), y)
+        loss = self._loss(batch)
         self.log("train_loss", loss)
         return loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self.log("val_loss", self._loss(batch), sync_dist=True)
+
+    def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch
+        x = F.interpolate(x, size=(32, 32), mode="bilinear", align_corners=False).expand(-1, self.channels, -1, -1)
+        return F.cross_entropy(self(x), y)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=self.lr)
