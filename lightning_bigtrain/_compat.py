@@ -46,6 +46,7 @@ __all__ = [
     "epoch_results",
     "fit_combined_loader",
     "forward_redirection",
+    "metrics_reset_after_this_hook",
     "restore_callback_metrics",
     "restore_epoch_results",
     "rewrap_ddp",
@@ -212,6 +213,21 @@ def epoch_results(trainer: Any) -> tuple[dict[str, dict[str, Any]], list[str]] |
                 record["count"] = int(item.cumulated_batch_size)
         out[key] = record
     return out, skipped
+
+
+def metrics_reset_after_this_hook(trainer: Any) -> set[int]:
+    """The ids of the ``torchmetrics.Metric`` objects logged as values (``self.log(name, metric)``) that Lightning
+    resets once the hook now running returns: those logged in the validation running now (reset after
+    ``on_validation_end``), and at a training epoch's end those logged in training (reset after
+    ``on_train_epoch_end``). A checkpoint written in such a hook holds them reset, as the run goes on with them."""
+    fit_loop = trainer.fit_loop
+    current = fit_loop.epoch_progress.current
+    collections = []
+    if current.processed > current.completed:
+        collections.append(fit_loop.epoch_loop._results)
+    if trainer.validating or trainer.sanity_checking:
+        collections.append(fit_loop.epoch_loop.val_loop._results)
+    return {id(item.value) for results in collections for item in results.values() if not item.is_tensor}
 
 
 def restore_epoch_results(trainer: Any, saved: dict[str, dict[str, Any]]) -> None:

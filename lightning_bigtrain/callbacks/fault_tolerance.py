@@ -238,3 +238,4 @@ class FaultTolerance(L.Callback):
                 setattr(obj, name, value)
         self._restore = []
         self._active = False
+        self._saved_metrics = self._saved_epoch_state = None  # loaded by a run that did not train (validate)

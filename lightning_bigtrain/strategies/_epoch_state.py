@@ -1,9 +1,11 @@
-"""What a checkpoint written inside an epoch must hold for the resumed run to end that epoch as the uninterrupted
-one would: every rank's epoch aggregates of ``self.log(..., on_epoch=True)`` (Lightning saves none) and the states
-of the module's ``torchmetrics`` metrics (not in its ``state_dict``: torchmetrics registers them non-persistent).
-Without them an epoch metric after a mid-epoch resume covers only the batches after it, and what reads it (a
-``ReduceLROnPlateau`` on ``train_loss``, ``EarlyStopping``, a metric-monitoring ``ModelCheckpoint``, the logger)
-goes another way.
+"""What a checkpoint must hold for the resumed run to go on as the uninterrupted one: the states of the module's
+``torchmetrics`` metrics (not in its ``state_dict``: torchmetrics registers them non-persistent), at every checkpoint
+of a fit, and inside an epoch every rank's epoch aggregates of ``self.log(..., on_epoch=True)`` (Lightning saves
+none). Without them an epoch metric after a mid-epoch resume covers only the batches after it, a metric counting the
+whole run starts again from zero, and what reads them (a ``ReduceLROnPlateau`` on ``train_loss``, ``EarlyStopping``,
+a metric-monitoring ``ModelCheckpoint``, the logger) goes another way. A metric Lightning resets right after the
+hook that writes the checkpoint (one logged in the validation running, or in training at the epoch's end) is saved
+reset, as the run goes on with it.
 
 At the world size of the save each rank takes its own. At another world size (the issue's rule: redistributed by a
 documented rule, or reset with a warning naming it):
@@ -26,7 +28,7 @@ import lightning as L
 import torch
 import torch.distributed as dist
 
-from lightning_bigtrain._compat import epoch_results, restore_epoch_results
+from lightning_bigtrain._compat import epoch_results, metrics_reset_after_this_hook, restore_epoch_results
 from lightning_bigtrain.warnings import BigtrainWarning, warn_once
 
 __all__ = ["EPOCH_STATE_KEY", "epoch_state_for_checkpoint", "restore_epoch_state"]
@@ -35,21 +37,24 @@ EPOCH_STATE_KEY = "bigtrain_epoch_state"
 
 
 def epoch_state_for_checkpoint(trainer: L.Trainer) -> dict[str, Any] | None:
-    """Every rank's epoch state, or None outside an epoch's training (a collective where there are several ranks:
-    call it on every rank, as Lightning calls ``on_save_checkpoint``; the decision comes from the loop counters, the
-    same on every rank)."""
-    found = epoch_results(trainer)
+    """Every rank's metric states, and inside an epoch's training its logged aggregates; None outside a fit (a
+    collective where there are several ranks: call it on every rank, as Lightning calls ``on_save_checkpoint``; what
+    is gathered is decided from the trainer's state and loop counters, the same on every rank)."""
     module = trainer.lightning_module
-    if found is None or module is None:
+    if module is None or trainer.state.fn != "fit":
         return None
-    results, skipped = found
-    if skipped:
-        warn_once(
-            f"Logged values {sorted(set(skipped))} use a `sync_dist_group` or a custom reduction: their epoch "
-            "aggregate is not checkpointed, and after a mid-epoch resume it covers the batches after the resume only.",
-            BigtrainWarning,
-        )
-    local = {"results": results, "metrics": _metric_states(module)}
+    found = epoch_results(trainer)
+    results = None
+    if found is not None:
+        results, skipped = found
+        if skipped:
+            warn_once(
+                f"Logged values {sorted(set(skipped))} use a `sync_dist_group` or a custom reduction: their epoch "
+                "aggregate is not checkpointed, and after a mid-epoch resume it covers the batches after the resume "
+                "only.",
+                BigtrainWarning,
+            )
+    local = {"results": results, "metrics": _metric_states(module, metrics_reset_after_this_hook(trainer))}
     world = trainer.world_size
     ranks: list[Any] = [local]
     if world > 1 and dist.is_available() and dist.is_initialized():
@@ -59,18 +64,22 @@ def epoch_state_for_checkpoint(trainer: L.Trainer) -> dict[str, Any] | None:
 
 
 def restore_epoch_state(trainer: L.Trainer, saved: dict[str, Any] | None) -> None:
-    """Put :func:`epoch_state_for_checkpoint`'s state back where the resumed fit continues the epoch it was saved in
-    (call at ``on_train_start``, after the loop's pending work is set up); otherwise leave everything as it is."""
+    """Put :func:`epoch_state_for_checkpoint`'s state back in a resumed fit (call at ``on_train_start``, after the
+    loop's pending work is set up): the metric states always, the logged aggregates where the fit continues the epoch
+    they were saved in."""
     module = trainer.lightning_module
-    if not saved or module is None or not trainer.fit_loop.restarting or trainer.current_epoch != saved["epoch"]:
-        return  # not a resume (state loaded by a `validate(ckpt_path=...)` before a fresh fit), or another epoch
+    if not saved or module is None:
+        return
     ranks, rank, world = saved["ranks"], trainer.global_rank, trainer.world_size
+    parts = [r["results"] for r in ranks]
+    same_epoch = trainer.current_epoch == saved["epoch"] and all(part is not None for part in parts)
     if len(ranks) == world:
         results, metrics = ranks[rank]["results"], ranks[rank]["metrics"]
     else:
-        results = _repartition_results([r["results"] for r in ranks], rank, world)
+        results = _repartition_results(parts, rank, world) if same_epoch else None
         metrics = _repartition_metrics(module, [r["metrics"] for r in ranks], rank, world)
-    restore_epoch_results(trainer, results)
+    if same_epoch and results is not None:
+        restore_epoch_results(trainer, results)
     _load_metric_states(module, metrics)
 
 
@@ -80,10 +89,14 @@ def _metrics(module: torch.nn.Module) -> dict[str, Any]:
     return {name: m for name, m in module.named_modules() if isinstance(m, Metric)}
 
 
-def _metric_states(module: torch.nn.Module) -> dict[str, dict[str, Any]]:
-    """Each torchmetrics metric's states (tensors, or lists of them) and update count, on the CPU."""
-    out = {}
+def _metric_states(module: torch.nn.Module, reset: set[int]) -> dict[str, dict[str, Any]]:
+    """Each torchmetrics metric's states (tensors, or lists of them) and update count, on the CPU; ``{"reset":
+    True}`` for the metrics in ``reset`` (ids: Lightning resets them right after the hook saving the checkpoint)."""
+    out: dict[str, dict[str, Any]] = {}
     for name, metric in _metrics(module).items():
+        if id(metric) in reset:
+            out[name] = {"reset": True}
+            continue
         states = {}
         for state in metric._defaults:
             value = getattr(metric, state)
@@ -96,7 +109,12 @@ def _metric_states(module: torch.nn.Module) -> dict[str, dict[str, Any]]:
 def _load_metric_states(module: torch.nn.Module, saved: dict[str, dict[str, Any]]) -> None:
     for name, metric in _metrics(module).items():
         record = saved.get(name)
-        if record is None or set(record["states"]) != set(metric._defaults):
+        if record is None:
+            continue
+        if record.get("reset"):
+            metric.reset()
+            continue
+        if set(record["states"]) != set(metric._defaults):
             continue
         device = metric.device
         for state, value in record["states"].items():
@@ -172,8 +190,11 @@ def _repartition_metrics(
     out: dict[str, dict[str, Any]] = {}
     local: list[str] = []
     for name, metric in _metrics(module).items():
-        parts = [part[name] for part in saved if name in part]
+        parts = [part[name] for part in saved if name in part and not part[name].get("reset")]
+        if not any(name in part for part in saved):
+            continue
         if not parts:
+            out[name] = {"reset": True}
             continue
         kinds = {state: getattr(metric._reductions.get(state), "__name__", None) for state in metric._defaults}
         synced_over_all = metric.sync_on_compute and metric.dist_sync_fn is None and metric.process_group is None
@@ -187,8 +208,8 @@ def _repartition_metrics(
     if local:
         warn_once(
             f"The checkpoint was written by {len(saved)} ranks, this run has {world}: the states of metrics "
-            f"{local} are rank-local (a reduction other than sum, cat, max or min, or not synced over all ranks): ranks "
-            "beyond the saved ones start them empty, saved ranks beyond this run's are dropped.",
+            f"{local} are rank-local (a reduction other than sum, cat, max or min, or not synced over all ranks): "
+            "ranks beyond the saved ones start them empty, saved ranks beyond this run's are dropped.",
             BigtrainWarning,
         )
     return out

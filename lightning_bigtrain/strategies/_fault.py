@@ -262,6 +262,7 @@ class FaultTolerantStrategyMixin(StrategyMixinBase):
 
     @override
     def teardown(self) -> None:
+        self._saved_metrics = self._saved_epoch_state = None  # loaded by a run that did not train (validate)
         if self._preemption is not None:
             self._preemption.uninstall()
             module = self.lightning_module

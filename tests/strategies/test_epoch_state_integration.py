@@ -41,19 +41,22 @@ class _Crash(Exception):
 
 class _Logged(L.LightningModule):
     """Logs epoch aggregates of every reduction (each rank its own values: ``rank_offset`` apart), one of them in
-    ``on_train_epoch_start``, a torchmetrics metric logged as a value and one kept aside; a plateau scheduler on the
-    epoch loss. Records each epoch's end as the logger would see it. ``crash_at``: raise in the first hook after the
-    checkpoint of that step."""
+    ``on_train_epoch_start``, torchmetrics metrics logged as values in training and validation (Lightning resets them
+    at their loop's end) and one kept aside, never reset; a plateau scheduler on the epoch loss. Records each epoch's
+    and validation's end as a monitor sees it. ``crash_at``: raise in the first hook after the checkpoint of that
+    step."""
 
     def __init__(self, crash_at: int | None = None, rank_offset: float = 0.0) -> None:
         super().__init__()
         self.layer = torch.nn.Linear(4, 1)
         self.mean_abs = torchmetrics.MeanMetric()
         self.seen = torchmetrics.SumMetric()
+        self.val_mean = torchmetrics.MeanMetric()
         self.crash_at = crash_at
         self.rank_offset = rank_offset
         self.armed = False
         self.epochs: list[dict[str, float]] = []
+        self.validations: list[dict[str, float]] = []
 
     def on_save_checkpoint(self, checkpoint) -> None:
         self.armed = self.global_step == self.crash_at
@@ -90,6 +93,16 @@ class _Logged(L.LightningModule):
     def on_train_epoch_end(self) -> None:
         self._next()
 
+    def validation_step(self, batch, batch_idx) -> None:
+        x, y, _ = batch
+        loss = (self.layer(x) - y).pow(2).mean()
+        self.log("val_loss", loss, sync_dist=True)
+        self.val_mean.update(loss)
+        self.log("val_mean", self.val_mean)
+
+    def on_validation_end(self) -> None:
+        self._next()  # after ModelCheckpoint's on_validation_end
+
     def configure_optimizers(self):
         optimizer = torch.optim.SGD(self.parameters(), lr=0.01)
         plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="max", patience=0, threshold=0.0)
@@ -101,26 +114,48 @@ class _Logged(L.LightningModule):
         data = torch.utils.data.TensorDataset(x, y, torch.arange(24))  # seen sums the indices of the samples drawn
         return torch.utils.data.DataLoader(data, batch_size=2)
 
+    def val_dataloader(self):
+        g = torch.Generator().manual_seed(1)
+        data = torch.utils.data.TensorDataset(torch.randn(4, 4, generator=g), torch.randn(4, 1, generator=g),
+                                              torch.arange(4))  # fmt: skip
+        return torch.utils.data.DataLoader(data, batch_size=2)
+
 
 class _EpochEnds(L.Callback):
-    """What a monitor sees at each epoch's end (after the module's hook), and the metric kept aside."""
+    """What a monitor sees at each epoch's and validation's end (before a checkpoint written there), and the metric
+    kept aside (never reset: it counts the whole run)."""
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
-        row = {k: float(v) for k, v in trainer.callback_metrics.items()}
-        row["seen"] = float(pl_module.seen.compute())
-        pl_module.seen.reset()
-        pl_module.epochs.append(row)
+        row = {k: float(v) for k, v in trainer.callback_metrics.items() if not k.startswith("val")}
+        pl_module.epochs.append({**row, "seen": float(pl_module.seen.compute())})
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        row = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val")}
+        pl_module.validations.append({**row, "step": trainer.global_step})
 
 
-def _fit(folder: Path, strategy: str, devices: int, crash_at: int | None, ckpt_path: str | None, offset: float = 0.0):
+# Where the checkpoints are written: at every step's end; at each epoch's end (ModelCheckpoint's default without
+# validation); at the end of each validation (every 4 steps), monitoring its loss.
+_CHECKPOINTS = {
+    "steps": ({"every_n_train_steps": 1}, {"limit_val_batches": 0}),
+    "epoch": ({}, {"limit_val_batches": 0}),
+    "validation": ({"monitor": "val_loss", "save_top_k": -1}, {"val_check_interval": 4, "num_sanity_val_steps": 0}),
+}
+
+
+def _fit(
+    folder: Path, strategy: str, devices: int, crash_at: int | None, ckpt_path: str | None, offset: float = 0.0,
+    kind: str = "steps",
+):  # fmt: skip
     L.seed_everything(0, verbose=False)
     model = _Logged(crash_at, offset)
     strategies = {"ddp": "ddp", "zero1": ZeroStrategy(stage=1), "zero3": ZeroStrategy(stage=3)}
+    checkpoint, validation = _CHECKPOINTS[kind]
     trainer = L.Trainer(
         accelerator="cpu", devices=devices, strategy=strategies[strategy], max_epochs=2, logger=False,
-        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+        enable_progress_bar=False, enable_model_summary=False, **validation,
         callbacks=[*([FaultTolerance()] if strategy == "ddp" else []), _EpochEnds(),
-                   ModelCheckpoint(dirpath=folder, save_last=True, every_n_train_steps=1)],
+                   ModelCheckpoint(dirpath=folder, save_last=True, **checkpoint)],
     )  # fmt: skip
     try:
         trainer.fit(model, ckpt_path=ckpt_path)
@@ -132,20 +167,33 @@ def _fit(folder: Path, strategy: str, devices: int, crash_at: int | None, ckpt_p
 def _state(trainer, model) -> dict:
     return {
         "epochs": model.epochs,
+        "validations": model.validations,
         "lr": trainer.optimizers[0].param_groups[0]["lr"],
         "weights": {k: v.clone() for k, v in model.layer.state_dict().items()},
     }
 
 
 @pytest.mark.usefixtures("_own_process_state")
-@pytest.mark.parametrize(("crash_at", "ended"), [(3, 0), (12, 0), (15, 1)], ids=["mid-epoch", "last-batch", "later"])
+@pytest.mark.parametrize(
+    ("kind", "crash_at", "ended"),
+    [("steps", 3, 0), ("steps", 12, 0), ("steps", 15, 1), ("epoch", 12, 1), ("validation", 4, 0)],
+    ids=["mid-epoch", "last-batch", "later", "epoch-end", "validation-end"],
+)
 @pytest.mark.parametrize("strategy", ["ddp", "zero3"])
-def test_a_mid_epoch_resume_ends_the_epoch_with_the_uninterrupted_values(tmp_path, strategy, crash_at, ended):
-    reference = _state(*_fit(tmp_path / "ref", strategy, 1, None, None))
-    _, crashed = _fit(tmp_path / "run", strategy, 1, crash_at, None)
+def test_a_resume_ends_each_epoch_and_validation_with_the_uninterrupted_values(
+    tmp_path, strategy, kind, crash_at, ended
+):
+    """Checkpoints inside an epoch (at a step's end, a validation's end) and at its end: the crashed and the resumed
+    job together see every epoch's and validation's values of the uninterrupted run, once. A metric Lightning resets
+    right after the hook that wrote the checkpoint (logged in training, at the epoch's end; logged in the validation,
+    at its end) resumes reset; one never reset resumes with its count."""
+    reference = _state(*_fit(tmp_path / "ref", strategy, 1, None, None, kind=kind))
+    _, crashed = _fit(tmp_path / "run", strategy, 1, crash_at, None, kind=kind)
     assert len(crashed.epochs) == ended  # epochs of 12 batches
-    resumed = _state(*_fit(tmp_path / "run", strategy, 1, None, "last"))
+    resumed = _state(*_fit(tmp_path / "run", strategy, 1, None, "last", kind=kind))
     assert crashed.epochs + resumed["epochs"] == reference["epochs"]
+    assert crashed.validations + resumed["validations"] == reference["validations"]
+    assert len(reference["validations"]) == (6 if kind == "validation" else 0)
     assert resumed["lr"] == reference["lr"]
     assert reference["lr"] < 0.01  # the plateau scheduler acted
     for name, value in reference["weights"].items():
@@ -218,7 +266,7 @@ def test_metric_states_of_more_ranks_merge_onto_rank_0_by_their_reduction_or_sta
         for v in values:
             for metric in (m.cat, m.max, m.min, m.level):
                 metric.update(torch.tensor(v))
-        parts.append(_metric_states(m))
+        parts.append(_metric_states(m, set()))
     with pytest.warns(BigtrainWarning, match=r"written by 3 ranks, this run has 2.*\['level'\] are rank-local"):
         first = _repartition_metrics(module(), parts, 0, 2)
     second = _repartition_metrics(module(), parts, 1, 2)
