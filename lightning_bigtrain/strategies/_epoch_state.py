@@ -115,6 +115,11 @@ def _load_metric_states(module: torch.nn.Module, saved: dict[str, dict[str, Any]
             metric.reset()
             continue
         if set(record["states"]) != set(metric._defaults):
+            warn_once(
+                f"The checkpoint's states of metric {name!r} ({sorted(record['states'])}) are not those of this "
+                f"run's {type(metric).__name__} ({sorted(metric._defaults)}): it starts empty.",
+                BigtrainWarning,
+            )
             continue
         device = metric.device
         for state, value in record["states"].items():

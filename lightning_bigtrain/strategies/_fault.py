@@ -168,7 +168,7 @@ def repair_epoch_progress(trainer: L.Trainer) -> None:
 class _PreemptionHook(L.Callback):
     """Put into ``trainer.callbacks`` by this package's strategies for the fit (strategies have no batch-end
     hook): the preemption check, the epoch-progress repair, the plateau schedulers at a restored epoch's end, the
-    callback metrics and the epoch's logged aggregates and metric states into checkpoints."""
+    callback metrics, metric states and the epoch's logged aggregates into checkpoints."""
 
     def __init__(self, preemption: Preemption) -> None:
         self.preemption = preemption
@@ -192,7 +192,7 @@ class _PreemptionHook(L.Callback):
 
 def save_progress_state(trainer: L.Trainer, checkpoint: dict[str, Any]) -> None:
     """What Lightning leaves out of a checkpoint and a resume needs (from ``on_save_checkpoint``, on every rank): the
-    scalar callback metrics, and inside an epoch every rank's logged epoch aggregates and metric states."""
+    scalar callback metrics, every rank's metric states and, inside an epoch, its logged epoch aggregates."""
     checkpoint[METRICS_KEY] = saved_callback_metrics(trainer)
     state = epoch_state_for_checkpoint(trainer)
     if state is not None:

@@ -277,3 +277,9 @@ def test_metric_states_of_more_ranks_merge_onto_rank_0_by_their_reduction_or_sta
     assert (float(on_0.max.compute()), float(on_0.min.compute())) == (5.0, -2.0)
     assert float(on_0.level.compute()) == 5.0 and float(on_1.level.compute()) == 3.0  # saved ranks 0 and 1
     assert on_1.cat.update_count == 0 and on_1.max.update_count == 0  # empty: rank 0 holds the merged states
+
+    other = module()
+    other.cat = torchmetrics.SumMetric()  # another metric under the saved one's name
+    with pytest.warns(BigtrainWarning, match=r"states of metric 'cat' \(\['value'\]\) are not those of this run's "):
+        _load_metric_states(other, parts[0])
+    assert other.cat.update_count == 0 and float(other.max.compute()) == 5.0  # the others are loaded
