@@ -1,9 +1,9 @@
-"""A fit resumed mid-epoch ends the epoch with the uninterrupted run's logged epoch values and metric states.
+"""A resumed fit ends each epoch and validation with the uninterrupted run's logged values and metric states.
 
 Lightning 2.6 saves neither the epoch aggregates of ``self.log(..., on_epoch=True)`` nor torchmetrics' states (not in
 the module's ``state_dict``): after a mid-epoch resume an epoch mean covered only the batches after it, a value
-logged in ``on_train_epoch_start`` was missing, a metric had counted a part of the epoch, and a plateau scheduler on
-the epoch loss went another way.
+logged in ``on_train_epoch_start`` was missing, a metric had counted a part of the epoch (one counting the whole run
+restarted from zero after any checkpoint), and a plateau scheduler on the epoch loss went another way.
 """
 
 from __future__ import annotations
