@@ -48,7 +48,34 @@ BLOCK = 32
 
 
 # ------------------------------------------------------------------------------------------------ families
-class LanguageModel(L.LightningModule):
+class _Wrapper(L.LightningModule):
+    """What both family wrappers share: ``self.model``'s forward, the loss logged in training (``train_loss``) and
+    validation (``val_loss``), AdamW. Subclasses give ``_loss(batch)``."""
+
+    def __init__(self, model: nn.Module, lr: float) -> None:
+        super().__init__()
+        self.model = model
+        self.lr = lr
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self.log("val_loss", self._loss(batch), sync_dist=True)
+
+    def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+
+class LanguageModel(_Wrapper):
     """How Hugging Face and plain-PyTorch users write a language-model LightningModule.
 
     ``style``: ``"causal"`` (HF ``...ForCausalLM``: ``self.model(input_ids=x, labels=x).loss``), ``"mlm"``
@@ -57,69 +84,35 @@ class LanguageModel(L.LightningModule):
     """
 
     def __init__(self, model: nn.Module, style: str, lr: float = 3e-3) -> None:
-        super().__init__()
-        self.model = model
+        super().__init__(model, lr)
         self.style = style
-        self.lr = lr
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model(x)
-
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = self._loss(batch)
-        self.log("train_loss", loss)
-        return loss
-
-    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        self.log("val_loss", self._loss(batch), sync_dist=True)
 
     def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x, y = batch
         if self.style == "causal":
-            loss = self.model(input_ids=x, labels=x).loss
-        elif self.style == "mlm":
+            return self.model(input_ids=x, labels=x).loss
+        if self.style == "mlm":
             masked = (torch.arange(x.shape[1], device=x.device) % 6) == (self.global_step % 6)
             labels = torch.where(masked, x, torch.full_like(x, -100))
-            loss = self.model(input_ids=torch.where(masked, torch.full_like(x, VOCAB - 1), x), labels=labels).loss
-        elif self.style == "seq2seq":
-            loss = self.model(input_ids=x, labels=y).loss
-        else:
-            logits = self(x)
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-        return loss
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=self.lr)
+            return self.model(input_ids=torch.where(masked, torch.full_like(x, VOCAB - 1), x), labels=labels).loss
+        if self.style == "seq2seq":
+            return self.model(input_ids=x, labels=y).loss
+        logits = self(x)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
-class ImageClassifier(L.LightningModule):
+class ImageClassifier(_Wrapper):
     """How torchvision/timm users write a classifier: ``F.cross_entropy(self(x), y)``. Fashion-MNIST's 28x28 grey
     images are resized to 32x32 and repeated to the model's input channels."""
 
     def __init__(self, model: nn.Module, channels: int = 3, lr: float = 2e-3) -> None:
-        super().__init__()
-        self.model = model
+        super().__init__(model, lr)
         self.channels = channels
-        self.lr = lr
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model(x)
-
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = self._loss(batch)
-        self.log("train_loss", loss)
-        return loss
-
-    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        self.log("val_loss", self._loss(batch), sync_dist=True)
 
     def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x, y = batch
         x = F.interpolate(x, size=(32, 32), mode="bilinear", align_corners=False).expand(-1, self.channels, -1, -1)
         return F.cross_entropy(self(x), y)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=self.lr)
 
 
 class DemoTransformer(LightningTransformer):
