@@ -272,6 +272,39 @@ def restore_epoch_results(trainer: Any, saved: dict[str, dict[str, Any]]) -> Non
         item.has_reset = False
         results[key] = item
     trainer._logger_connector._first_loop_iter = False
+    _drop_restored_on_other_arguments(results, set(saved))
+
+
+def _drop_restored_on_other_arguments(results: Any, keys: set[str]) -> None:
+    """Where the resumed module logs a restored key with other arguments than the saved run did (``prog_bar``
+    switched on before the relaunch, another reduction), Lightning would refuse the call ("You called `self.log(...)`
+    twice ... with different arguments"): the restored aggregate is dropped instead, with a warning, and the call
+    goes through. Wraps the collection's ``log`` until each restored key has been logged once."""
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+    from lightning_bigtrain.warnings import BigtrainWarning, warn_once
+
+    original = results.log
+
+    def log(fx: str, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        key = f"{fx}.{name}"
+        if key not in keys:
+            return original(fx, name, value, *args, **kwargs)
+        keys.discard(key)
+        if not keys:
+            del results.log  # the collection's own method from here on
+        try:
+            return original(fx, name, value, *args, **kwargs)
+        except MisconfigurationException:  # raised before anything was updated
+            results.pop(key, None)
+            warn_once(
+                f"`self.log({name!r}, ...)` in `{fx}` now has other arguments than in the run that wrote the "
+                "checkpoint: its epoch aggregate covers the batches after the resume only.",
+                BigtrainWarning,
+            )
+            return original(fx, name, value, *args, **kwargs)
+
+    results.log = log
 
 
 def drop_fit_dataloaders(trainer: Any) -> bool:

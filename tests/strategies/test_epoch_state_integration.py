@@ -57,6 +57,7 @@ class _Logged(L.LightningModule):
         self.armed = False
         self.epochs: list[dict[str, float]] = []
         self.validations: list[dict[str, float]] = []
+        self.prog_bar = False
 
     def on_save_checkpoint(self, checkpoint) -> None:
         self.armed = self.global_step == self.crash_at
@@ -84,7 +85,7 @@ class _Logged(L.LightningModule):
         self.log("local_mean", local, on_epoch=True)
         self.log("local_max", local, on_epoch=True, reduce_fx="max")
         self.log("local_min", local, on_epoch=True, reduce_fx=min)
-        self.log("local_sum", local, on_epoch=True, reduce_fx="sum")
+        self.log("local_sum", local, on_epoch=True, reduce_fx="sum", prog_bar=self.prog_bar)
         self.mean_abs.update(self.layer(x).abs().mean())
         self.log("mean_abs", self.mean_abs, on_epoch=True)
         self.seen.update(index.sum())
@@ -198,6 +199,28 @@ def test_a_resume_ends_each_epoch_and_validation_with_the_uninterrupted_values(
     assert reference["lr"] < 0.01  # the plateau scheduler acted
     for name, value in reference["weights"].items():
         assert torch.equal(value, resumed["weights"][name]), name
+
+
+@pytest.mark.usefixtures("_own_process_state")
+def test_a_value_logged_with_other_arguments_after_the_relaunch_drops_its_restored_aggregate(tmp_path, monkeypatch):
+    """The user switched ``prog_bar`` on for one value before relaunching: Lightning would refuse the call against the
+    restored entry ("twice ... with different arguments"); the restored aggregate is dropped with a warning, the
+    others are kept."""
+    reference = _state(*_fit(tmp_path / "ref", "ddp", 1, None, None))
+    _fit(tmp_path / "run", "ddp", 1, 3, None)
+    original = _Logged.__init__
+
+    def changed(self, *args, **kwargs) -> None:
+        original(self, *args, **kwargs)
+        self.prog_bar = True
+
+    monkeypatch.setattr(_Logged, "__init__", changed)
+    with pytest.warns(BigtrainWarning, match=r"`self.log\('local_sum', ...\)` in `training_step` now has other argu"):
+        resumed = _state(*_fit(tmp_path / "run", "ddp", 1, None, "last"))
+    first, expected = resumed["epochs"][0], reference["epochs"][0]
+    assert first["local_sum"] < expected["local_sum"]  # the batches after the resume only
+    kept = [k for k in expected if not k.startswith("local_sum")]
+    assert [first[k] for k in kept] == [expected[k] for k in kept]
 
 
 def _on_ranks(rank: int, folder: str, devices: int, crash_at: int | None, ckpt_path: str | None) -> dict:
