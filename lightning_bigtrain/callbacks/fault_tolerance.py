@@ -21,25 +21,21 @@ import lightning as L
 import torch
 from typing_extensions import override
 
-from lightning_bigtrain._compat import (
-    restore_callback_metrics,
-    run_pending_batch_end,
-    update_plateau_schedulers_at_restored_epoch_end,
-)
+from lightning_bigtrain._compat import update_plateau_schedulers_at_restored_epoch_end
 from lightning_bigtrain.checkpointing import AtomicCheckpointIO, atomic_folder_save, load_path
-from lightning_bigtrain.data.resumable import load_pending_states, make_resumable
-from lightning_bigtrain.strategies._epoch_state import EPOCH_STATE_KEY, restore_epoch_state
+from lightning_bigtrain.data.resumable import make_resumable
 from lightning_bigtrain.strategies._fault import (
     _SIGNALS,
     EXIT_PREEMPTED,
-    METRICS_KEY,
     FaultTolerantStrategyMixin,
     Preempted,
     Preemption,
     _check_signals,
     destroy_process_group_at_exit,
     repair_epoch_progress,
+    resume_fit,
     save_progress_state,
+    take_progress_state,
 )
 from lightning_bigtrain.warnings import NoEffectWarning, warn_once
 
@@ -106,8 +102,7 @@ class FaultTolerance(L.Callback):
         self._restore: list[tuple[Any, str, Any]] = []
         self._active = False
         self._rng_seed: int | None = None
-        self._saved_metrics: dict[str, Any] | None = None
-        self._saved_epoch_state: dict[str, Any] | None = None
+        self._saved_progress: dict[str, Any] | None = None
 
     @property
     def state_key(self) -> str:
@@ -175,13 +170,8 @@ class FaultTolerance(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._active:
             destroy_process_group_at_exit()
-        if self._active and self.resumable_data:
-            load_pending_states(trainer)
-        if self._active:
-            run_pending_batch_end(trainer)
-            restore_callback_metrics(trainer, self._saved_metrics or {})
-            restore_epoch_state(trainer, self._saved_epoch_state)
-        self._saved_metrics = self._saved_epoch_state = None
+            resume_fit(trainer, self._saved_progress, data=self.resumable_data)
+        self._saved_progress = None
         if self._active and self._preemption is not None:
             self._preemption.install()
 
@@ -213,8 +203,7 @@ class FaultTolerance(L.Callback):
 
     @override
     def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
-        self._saved_metrics = checkpoint.get(METRICS_KEY)
-        self._saved_epoch_state = checkpoint.get(EPOCH_STATE_KEY)
+        self._saved_progress = take_progress_state(checkpoint)
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -238,4 +227,4 @@ class FaultTolerance(L.Callback):
                 setattr(obj, name, value)
         self._restore = []
         self._active = False
-        self._saved_metrics = self._saved_epoch_state = None  # loaded by a run that did not train (validate)
+        self._saved_progress = None  # loaded by a run that did not train (validate)

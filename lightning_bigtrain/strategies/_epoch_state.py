@@ -128,15 +128,20 @@ def _load_metric_states(module: torch.nn.Module, saved: dict[str, dict[str, Any]
         metric._computed = None
 
 
-_COMBINE = {
-    "mean": lambda a, b: a + b,  # the values are sums of value x batch size; the counts add
-    "sum": lambda a, b: a + b,
-    "builtins.sum": lambda a, b: a + b,
+# How two ranks' parts of a state combine, by reduction: mean values are sums of value x batch size, so they add
+# (and their counts add); torchmetrics names its reductions ``dim_zero_<kind>``.
+_COMBINE: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "sum": torch.add,
     "max": torch.maximum,
-    "builtins.max": torch.maximum,
     "min": torch.minimum,
-    "builtins.min": torch.minimum,
 }
+_START = {"sum": 0.0, "max": float("-inf"), "min": float("inf")}  # Lightning's initial value per reduction
+
+
+def _kind(reduce: str) -> str:
+    """``"sum"``, ``"max"`` or ``"min"`` for a logged value's reduction name (``"mean"``, ``"builtins.max"``, ...)."""
+    name = reduce.rsplit(".", 1)[-1]
+    return "sum" if name == "mean" else name
 
 
 def _repartition_results(saved: list[dict[str, Any]], rank: int, world: int) -> dict[str, Any]:
@@ -153,7 +158,7 @@ def _repartition_results(saved: list[dict[str, Any]], rank: int, world: int) -> 
                 if rank != 0:
                     continue
                 merged = out[key]
-                merged["value"] = _COMBINE[record["reduce"]](merged["value"], record["value"])
+                merged["value"] = _COMBINE[_kind(record["reduce"])](merged["value"], record["value"])
                 if "count" in record:
                     merged["count"] += record["count"]
             else:
@@ -173,18 +178,12 @@ def _repartition_results(saved: list[dict[str, Any]], rank: int, world: int) -> 
 def _empty(record: dict[str, Any]) -> dict[str, Any]:
     """``record`` holding nothing yet (Lightning's initial value for its reduction)."""
     empty = dict(record)
-    start = {"max": float("-inf"), "builtins.max": float("-inf"), "min": float("inf"), "builtins.min": float("inf")}
-    empty["value"] = torch.full_like(record["value"], start.get(record["reduce"], 0.0))
+    empty["value"] = torch.full_like(record["value"], _START[_kind(record["reduce"])])
     if "count" in record:
         empty["count"] = 0
     return empty
 
 
-_MERGE: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
-    "dim_zero_sum": torch.add,
-    "dim_zero_max": torch.maximum,
-    "dim_zero_min": torch.minimum,
-}
 _MERGEABLE = ("dim_zero_sum", "dim_zero_cat", "dim_zero_max", "dim_zero_min")
 
 
@@ -229,7 +228,7 @@ def _merge_metric(parts: list[dict[str, Any]], kinds: dict[str, str | None]) -> 
         elif kind == "dim_zero_cat":
             states[state] = torch.cat([v.reshape(1) if v.dim() == 0 else v for v in values])
         else:
-            combine: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = _MERGE[str(kind)]
+            combine = _COMBINE[str(kind).removeprefix("dim_zero_")]
             merged = values[0]
             for value in values[1:]:
                 merged = combine(merged, value)

@@ -199,6 +199,23 @@ def save_progress_state(trainer: L.Trainer, checkpoint: dict[str, Any]) -> None:
         checkpoint[EPOCH_STATE_KEY] = state
 
 
+def take_progress_state(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """:func:`save_progress_state`'s entries, taken out of a loaded checkpoint (kept until :func:`resume_fit`)."""
+    return {key: checkpoint.pop(key) for key in (METRICS_KEY, EPOCH_STATE_KEY) if key in checkpoint}
+
+
+def resume_fit(trainer: L.Trainer, progress: dict[str, Any] | None, data: bool = True) -> None:
+    """At ``on_train_start``, what a resumed fit does before training, in order: the dataloaders' saved positions
+    (with ``data``), the work due after the checkpoint (:func:`run_pending_batch_end`), the saved callback metrics
+    and epoch state (``progress``: :func:`take_progress_state`'s)."""
+    progress = progress or {}
+    if data:
+        load_pending_states(trainer)
+    run_pending_batch_end(trainer)
+    restore_callback_metrics(trainer, progress.get(METRICS_KEY) or {})
+    restore_epoch_state(trainer, progress.get(EPOCH_STATE_KEY))
+
+
 def _last_path(trainer: L.Trainer) -> str:
     """Where ``ckpt_path="last"`` will look: ``last.ckpt`` in the ModelCheckpoint folder."""
     cb = trainer.checkpoint_callback
@@ -214,19 +231,17 @@ class FaultTolerantStrategyMixin(StrategyMixinBase):
     preemption signals. Folder checkpoints are committed by each strategy's ``save_checkpoint``."""
 
     _preemption: Preemption | None = None
-    _saved_metrics: dict[str, Any] | None = None
-    _saved_epoch_state: dict[str, Any] | None = None
+    _saved_progress: dict[str, Any] | None = None
 
     def _init_fault_tolerance(self) -> None:
         if getattr(self, "_checkpoint_io", None) is None:
             cast(Any, self).checkpoint_io = AtomicCheckpointIO()  # the Strategy's property setter
         self._preemption = Preemption()
 
-    def _keep_saved_metrics(self, checkpoint: dict[str, Any]) -> None:
+    def _keep_progress_state(self, checkpoint: dict[str, Any]) -> None:
         """Called by each strategy's ``load_checkpoint``: the callback metrics and the epoch state the checkpoint
         holds, restored at ``on_train_start``."""
-        self._saved_metrics = checkpoint.pop(METRICS_KEY, None)
-        self._saved_epoch_state = checkpoint.pop(EPOCH_STATE_KEY, None)
+        self._saved_progress = take_progress_state(checkpoint)
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -244,11 +259,8 @@ class FaultTolerantStrategyMixin(StrategyMixinBase):
         super().on_train_start()
         assert self.lightning_module is not None
         trainer: Any = self.lightning_module.trainer
-        load_pending_states(trainer)
-        run_pending_batch_end(trainer)
-        restore_callback_metrics(trainer, self._saved_metrics or {})
-        restore_epoch_state(trainer, self._saved_epoch_state)
-        self._saved_metrics = self._saved_epoch_state = None
+        resume_fit(trainer, self._saved_progress)
+        self._saved_progress = None
         destroy_process_group_at_exit()
         if self._preemption is not None:
             self._preemption.install()
@@ -262,7 +274,7 @@ class FaultTolerantStrategyMixin(StrategyMixinBase):
 
     @override
     def teardown(self) -> None:
-        self._saved_metrics = self._saved_epoch_state = None  # loaded by a run that did not train (validate)
+        self._saved_progress = None  # loaded by a run that did not train (validate)
         if self._preemption is not None:
             self._preemption.uninstall()
             module = self.lightning_module

@@ -365,7 +365,7 @@ class CompressedDDPStrategy(FaultTolerantStrategyMixin, DDPStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         self._support.load_from_checkpoint(checkpoint, self.global_rank)
-        self._keep_saved_metrics(checkpoint)
+        self._keep_progress_state(checkpoint)
         return checkpoint
 
     @override

@@ -679,7 +679,7 @@ class DeepSpeedZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, DeepSpeedStr
         else:
             checkpoint = super().load_checkpoint(location, weights_only)
         self._restore_rng_state(checkpoint)
-        self._keep_saved_metrics(checkpoint)
+        self._keep_progress_state(checkpoint)
         average = checkpoint.pop(_AVERAGE_KEY, None)
         if average is not None and module is not None:
             # As WeightAveraging.on_load_checkpoint reads them: the average, and the module's own weights (loaded).

@@ -1032,7 +1032,7 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         checkpoint = self._load_checkpoint(checkpoint_path, weights_only)
         self._restore_rng_state(checkpoint)
-        self._keep_saved_metrics(checkpoint)
+        self._keep_progress_state(checkpoint)
         if self._compression is not None:
             self._compression.load_from_checkpoint(checkpoint, self.global_rank)
         return checkpoint

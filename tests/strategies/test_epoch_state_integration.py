@@ -306,3 +306,28 @@ def test_metric_states_of_more_ranks_merge_onto_rank_0_by_their_reduction_or_sta
     with pytest.warns(BigtrainWarning, match=r"states of metric 'cat' \(\['value'\]\) are not those of this run's "):
         _load_metric_states(other, parts[0])
     assert other.cat.update_count == 0 and float(other.max.compute()) == 5.0  # the others are loaded
+
+
+def test_logged_values_of_more_ranks_merge_onto_rank_0_and_the_other_ranks_start_them_empty():
+    from lightning_bigtrain.strategies._epoch_state import _repartition_results
+
+    def record(name: str, reduce: str, value: float, sync: bool, count: int | None = None) -> dict:
+        out = {"name": name, "reduce": reduce, "value": torch.tensor(value), "tensor": True, "sync": sync,
+               "rank_zero_only": False}  # fmt: skip
+        return out if count is None else {**out, "count": count}
+
+    saved = [  # three saved ranks: a synced mean (value x batch size summed, and the count), a synced max, a local sum
+        {"m": record("m", "mean", 6.0, True, 3), "x": record("x", "builtins.max", 2.0, True),
+         "s": record("s", "sum", 1.0, False)},
+        {"m": record("m", "mean", 4.0, True, 2), "x": record("x", "builtins.max", 7.0, True),
+         "s": record("s", "sum", 10.0, False)},
+        {"m": record("m", "mean", 5.0, True, 5), "x": record("x", "builtins.max", 3.0, True),
+         "s": record("s", "sum", 100.0, False)},
+    ]  # fmt: skip
+    with pytest.warns(BigtrainWarning, match=r"written by 3 ranks, this run has 2.*\['s'\] are rank-local"):
+        first = _repartition_results(saved, 0, 2)
+    second = _repartition_results(saved, 1, 2)
+    assert (float(first["m"]["value"]), first["m"]["count"], float(first["x"]["value"])) == (15.0, 10, 7.0)
+    assert (float(second["m"]["value"]), second["m"]["count"], float(second["x"]["value"])) == (0.0, 0, float("-inf"))
+    assert (float(first["s"]["value"]), float(second["s"]["value"])) == (1.0, 10.0)  # by rank index
+    assert float(saved[0]["m"]["value"]) == 6.0  # the saved records are left as they were
