@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.fabric.utilities.imports import _IS_INTERACTIVE
 from lightning.fabric.utilities.load import _METADATA_FILENAME, _load_distributed_checkpoint
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
@@ -40,6 +41,7 @@ __all__ = [
     "_load_distributed_checkpoint",
     "_optimizers_to_device",
     "_parse_num_batches",
+    "_set_num_threads_if_needed",
     "_update_dataloader",
     "combined_mode",
     "drop_fit_dataloaders",

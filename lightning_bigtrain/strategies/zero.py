@@ -23,6 +23,7 @@ from lightning_bigtrain._compat import (
     _METADATA_FILENAME,
     _MultiProcessingLauncher,
     _optimizers_to_device,
+    _set_num_threads_if_needed,
     _SubprocessScriptLauncher,
     _WorkerOutput,
     forward_redirection,
@@ -331,6 +332,12 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         if method == "auto":
             method = "fork" if _IS_INTERACTIVE else "popen"
         if self.cluster_environment.creates_processes_externally:
+            # A rank started by the launcher below (or by torchrun, SLURM): Lightning's DDP sets its thread count
+            # as the launching process set its own (CPU cores over processes, unless OMP_NUM_THREADS says), and its
+            # `ModelParallelStrategy` does not, which left every rank but 0 on all cores. On CPU ranks that
+            # oversubscribed the cores, and computations every rank repeats (a tensor-parallel group's norms) gave
+            # other bits per rank, so those replicas drifted apart.
+            _set_num_threads_if_needed(num_processes=self.num_processes)
             return
         if method == "popen":
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)

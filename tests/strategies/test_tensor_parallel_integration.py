@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import lightning as L
@@ -129,6 +130,39 @@ def test_dp2_x_tp2_on_4_ranks_losses_equal_a_single_process_run():
     results = run_on_ranks(_dp2_tp2, 20, world_size=4, init_process_group=False)
     for losses in results:
         _assert_same(losses, expected)
+
+
+def _launched_threads_tp2(rank: int) -> tuple[int, dict[str, torch.Tensor]]:
+    from lightning.fabric.utilities.distributed import _suggested_max_num_threads
+
+    suggested = _suggested_max_num_threads(2)
+    if rank == 0:  # as Lightning's launcher leaves the process it runs in (the script's, rank 0)
+        os.environ["OMP_NUM_THREADS"] = str(suggested)
+        torch.set_num_threads(suggested)
+    else:  # a rank it started: the thread count torch starts with, on more threads than rank 0
+        os.environ.pop("OMP_NUM_THREADS", None)
+        torch.set_num_threads(suggested + 1)
+    L.seed_everything(0, verbose=False)
+    model = _model()
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=ZeroStrategy(stage=3, tensor_parallel=2), max_steps=3,
+                        limit_val_batches=0, enable_checkpointing=False, **_QUIET)  # fmt: skip
+    trainer.fit(model, datamodule=ShakespeareDataModule(block_size=32, batch_size=8, subset=256))
+    replicas = {n: p.detach().clone() for n, p in model.named_parameters() if not hasattr(p, "placements")}
+    return torch.get_num_threads(), replicas
+
+
+def test_every_rank_runs_on_the_launchers_thread_count_and_the_tensor_parallel_replicas_stay_identical():
+    """Lightning's launcher sets the thread count of its own process only (CPU cores over processes); its DDP sets
+    the other ranks' alike, its ``ModelParallelStrategy`` did not. Every rank but 0 then ran on all cores (the
+    cores oversubscribed), and the norms both ranks of a tensor-parallel pair compute on the same input got other
+    bits from their other thread counts: those replicas drifted apart from the first step."""
+    from lightning.fabric.utilities.distributed import _suggested_max_num_threads
+
+    (threads0, replicas0), (threads1, replicas1) = run_on_ranks(_launched_threads_tp2, init_process_group=False)
+    assert threads0 == threads1 == _suggested_max_num_threads(2)
+    assert replicas0.keys() == replicas1.keys() and len(replicas0) >= 10  # the norms and the position embedding
+    differing = [n for n in replicas0 if not torch.equal(replicas0[n], replicas1[n])]
+    assert differing == []
 
 
 def _dp2_tp2_stages(rank: int, steps: int) -> dict[int, tuple[list[float], int]]:
