@@ -5,6 +5,9 @@ gradients a strategy keeps in parts: ``from lightning_bigtrain.utilities import 
 Under the sharded strategies ``param.grad`` of the module is not the gradient the optimizer applies (ZeRO-1: the
 averaged gradient in this rank's slices, zeros in the others; ZeRO-2 and DeepSpeed: None; ZeRO-3: a DTensor shard,
 on which Lightning's function fails), so Lightning's ``grad_norm`` returns other numbers, nothing, or an error there.
+
+:func:`full_state_dict` is the module's weights whole, as the model is written, under any strategy: what a user would
+``torch.save`` or push to a model hub after ``fit``, where the module itself stays sharded, split or 16-bit.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from torch import nn
 from lightning_bigtrain.engines.flat_shard import flat_grad_part
 from lightning_bigtrain.functional.sharding import divided_over, local_view, part_norms
 
-__all__ = ["grad_norm"]
+__all__ = ["full_state_dict", "grad_norm"]
 
 _Part = tuple[torch.Tensor | None, tuple[Any, ...]]
 
@@ -131,3 +134,55 @@ def _across_stages(norms: dict[str, torch.Tensor], group: Any) -> dict[str, torc
         for name, value in stage:
             merged.setdefault(name, torch.tensor(value, dtype=torch.float32, device=device))
     return merged
+
+
+def full_state_dict(trainer: Any) -> dict[str, torch.Tensor]:
+    """The fitted module's weights whole, on the CPU, in the layout of the model as written: what
+    ``YourModule(...).load_state_dict`` takes, under any strategy.
+
+    After ``fit`` the module holds what its strategy made of it: ZeRO-3 and DeepSpeed's stage 3 keep each parameter
+    sharded over the ranks, tensor parallelism holds the split blocks (packed q/k/v reordered by rank:
+    ``full_tensor()`` of each entry, or torch's ``get_model_state_dict(full_state_dict=True)``, gives those rows in
+    another order, a model that loads and is wrong), pipeline parallelism holds one stage's blocks per rank, and
+    DeepSpeed's engine in ``"bf16-mixed"`` holds 16-bit copies of its fp32 masters. This gathers them: the masters
+    where the optimizer keeps some, packed projections in their own order, every stage's blocks. Under Lightning's
+    own strategies (DDP, a single device) and ``CompressedDDPStrategy`` it is rank 0's ``state_dict()``; under
+    Lightning's FSDP and ``ModelParallelStrategy`` (DTensor parameters) torch's full state dict.
+
+    A collective: call it on every rank (after ``trainer.fit``, in a script every rank runs; or in a hook every rank
+    runs). Rank 0 gets the weights, the other ranks ``{}``::
+
+        trainer.fit(model, datamodule=data)
+        weights = full_state_dict(trainer)
+        if trainer.is_global_zero:
+            torch.save(weights, "model.pt")
+
+    Args:
+        trainer: The Trainer that ran ``fit`` (or ``validate`` / ``test``) with the module.
+
+    Raises:
+        ValueError: The trainer has no module attached.
+    """
+    module = getattr(trainer, "lightning_module", None)
+    if module is None:
+        raise ValueError(
+            "`full_state_dict(trainer)`: the trainer has no LightningModule; call it after `trainer.fit(model, ...)` "
+            "(or validate / test) with the Trainer that ran it."
+        )
+    strategy = trainer.strategy
+    own = getattr(strategy, "full_state_dict", None)
+    if callable(own):  # ZeroStrategy, DeepSpeedZeroStrategy
+        return dict(own())
+    if any(hasattr(p, "ds_id") or hasattr(p, "_hp_mapping") for p in module.parameters()):  # Lightning's DeepSpeed
+        from lightning_bigtrain.strategies.deepspeed_zero import deepspeed_full_state_dict
+
+        return deepspeed_full_state_dict(module, trainer.global_rank)
+    if any(hasattr(p, "placements") for p in module.parameters()):  # DTensor parameters (FSDP2, tensor parallel)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = get_model_state_dict(module, options=options)  # a collective
+        return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)} if trainer.global_rank == 0 else {}
+    if trainer.global_rank != 0:
+        return {}
+    return {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}

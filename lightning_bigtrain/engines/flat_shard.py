@@ -73,6 +73,15 @@ def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, **kwargs: Any) ->
     return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(output, input, **kwargs)
 
 
+def written_over(master: torch.Tensor, replica: torch.Tensor) -> torch.Tensor:
+    """Mixed precision: the fp32 weights a 16-bit replica stands for. Where the replica is the master's rounding,
+    the master (its fp32 precision); elsewhere something wrote into the replica after the master's last step (a
+    pruning mask, a user's clamp), and the written value stands, as it would have in fp32 parameters. (A write of the
+    value the replica already held, the master's rounding, cannot be told from none: the master stays, within half a
+    16-bit step of it.)"""
+    return torch.where(replica == master.to(replica.dtype), master, replica.to(master.dtype))
+
+
 def norm_parameters(module: nn.Module) -> list[nn.Parameter]:
     """Parameters of torch's normalization layers (LayerNorm, GroupNorm, RMSNorm, BatchNorm, InstanceNorm), which
     mixed precision keeps in fp32: a few per channel, and 16-bit weights there would meet fp32 inputs or running
@@ -162,6 +171,7 @@ class _Bucket:
     done: bool = False  # reduced in this backward pass (and, at stage 2, its staging buffer released)
     reduced: bool = False  # stage 1: this rank's slice holds averaged gradients (no zero_grad since)
     carry: torch.Tensor | None = None  # stage 1: those averaged gradients, set aside while the next backward runs
+    seen_version: int = -1  # mixed precision: ``flat``'s version counter after the last all-gather (in-place writes)
 
 
 class FlatShardedOptimizer(torch.optim.Optimizer):
@@ -485,6 +495,19 @@ class FlatShardedOptimizer(torch.optim.Optimizer):
                 p.data = b.flat[offset : offset + n].view_as(p)
 
     @torch.no_grad()
+    def _adopt_writes(self) -> None:
+        """Mixed precision: values written in place into the module's parameters since the last step (a pruning
+        mask, a user's clamp, a callback copying weights in) land in the 16-bit replicas only; the step would put the
+        masters' rounding back over them (the mask undone, the pruned weights back in every checkpoint and in the
+        module after fit). Where this rank's slice of the replicas is no longer its masters' rounding, the written
+        value becomes the master (:func:`written_over`). Checked only where the buckets' version counter moved."""
+        for b in self._buckets:
+            if b.master is None or b.flat._version == b.seen_version:
+                continue
+            lo = self.rank * b.chunk
+            b.master.copy_(written_over(b.master, b.flat[lo : lo + b.chunk]))
+
+    @torch.no_grad()
     def _adopt_grads(self) -> None:
         """Stage 1: each parameter's ``.grad`` the view into its bucket again, with the value it had (None: zero)."""
         for b in self._buckets:
@@ -594,6 +617,8 @@ class FlatShardedOptimizer(torch.optim.Optimizer):
         for work in works:
             if work is not None:
                 work.wait()
+        for b in self._buckets:
+            b.seen_version = b.flat._version
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
@@ -602,6 +627,7 @@ class FlatShardedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._adopt_data()
+        self._adopt_writes()
         self._settle()
         if not self._mixed:
             self.inner.step()
@@ -612,6 +638,20 @@ class FlatShardedOptimizer(torch.optim.Optimizer):
         self.gather_parameters()
         self._opt_called = True  # an LR scheduler re-bound to this wrapper checks it
         return loss
+
+    def whole_masters(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """Mixed precision: each 16-bit parameter with its fp32 master, whole (every bucket's slices all-gathered over
+        the group: a collective, call it on every rank); empty without mixed precision. The tensors are views into
+        one new buffer per bucket."""
+        out = []
+        for b in self._buckets:
+            if b.master is None:
+                continue
+            whole = b.master.new_empty(b.chunk * self.world)
+            _all_gather(whole, b.master, group=self.group)
+            whole = written_over(whole, b.flat)  # what was written into the module since the last step stands
+            out += [(p, whole[o : o + p.numel()].view(p.shape)) for p, o in zip(b.params, b.offsets, strict=True)]
+        return out
 
     def _masters_to_replicas(self) -> None:
         """The masters, rounded to 16 bits, into this rank's slice of the replicas (all-gathered afterwards)."""

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_bigtrain.engines.flat_shard import FlatShardedOptimizer
+from lightning_bigtrain.engines.flat_shard import FlatShardedOptimizer, written_over
 from lightning_bigtrain.functional.sharding import local_view
 
 __all__ = [
@@ -98,7 +98,9 @@ def read_whole(location: str, metadata_filename: str) -> dict[str, Any]:
 
 def masters_into_state_dict(checkpoint: dict[str, Any]) -> None:
     """Mixed precision at stages 1-2: replace the 16-bit weights of ``state_dict`` with the fp32 masters kept in the
-    flat optimizer states (each bucket's ``"master"``), by the saved layout."""
+    flat optimizer states (each bucket's ``"master"``), by the saved layout; where a saved weight is not its master's
+    rounding (written after the last step, e.g. a pruning mask applied at the batch's end), the saved one
+    (:func:`~lightning_bigtrain.engines.flat_shard.written_over`)."""
     layouts = checkpoint.get(LAYOUT_KEY) or []
     for states, layout in zip(checkpoint.get("optimizer_states", []), layouts, strict=False):
         if layout is None:
@@ -111,7 +113,11 @@ def masters_into_state_dict(checkpoint: dict[str, Any]) -> None:
             for names, offset, shape in bucket:
                 numel = math.prod(shape)
                 for name in names:
-                    checkpoint["state_dict"][name] = master[offset : offset + numel].reshape(shape).clone()
+                    weights = master[offset : offset + numel].reshape(shape)
+                    replica = checkpoint["state_dict"].get(name)
+                    if isinstance(replica, torch.Tensor) and replica.shape == weights.shape:
+                        weights = written_over(weights, replica)  # written into the module after the last step
+                    checkpoint["state_dict"][name] = weights.clone()
 
 
 def named_optimizer_state(

@@ -67,7 +67,7 @@ if TYPE_CHECKING:
     from lightning_bigtrain._compat import _StrategyRegistry
 
 
-__all__ = ["DeepSpeedZeroStrategy", "deepspeed_state_bytes"]
+__all__ = ["DeepSpeedZeroStrategy", "deepspeed_full_state_dict", "deepspeed_state_bytes"]
 
 
 # Set from the Trainer: a value in the override would silently disagree with it.
@@ -648,6 +648,12 @@ class DeepSpeedZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, DeepSpeedStr
         self._end_with_rank0_buffers()
         super().on_train_end()
 
+    def full_state_dict(self) -> dict[str, Any]:
+        """The module's weights whole, on the CPU (:func:`deepspeed_full_state_dict`). A collective: call it on every
+        rank. Rank 0 gets them; the other ranks get ``{}``. See :func:`lightning_bigtrain.utilities.full_state_dict`."""
+        assert self.lightning_module is not None
+        return deepspeed_full_state_dict(self.lightning_module, self.global_rank)
+
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """DeepSpeed's folder, written under a temporary name and committed by rank 0 (``filepath`` becomes a
@@ -864,3 +870,25 @@ _DEEPSPEED_GROUP_MAPS = (
     "_EXPERT_DATA_PARALLEL_GROUP_RANKS",
     "_ALL_TO_ALL_GROUP",
 )
+
+
+def deepspeed_full_state_dict(module: torch.nn.Module, rank: int) -> dict[str, Any]:
+    """A module under DeepSpeed's engine (this package's or Lightning's ``DeepSpeedStrategy``), whole, on the CPU: the
+    fp32 masters DeepSpeed's optimizer keeps of the parameters it trains (gathered from the ranks' partitions; the
+    module itself holds 16-bit copies under ``"bf16-mixed"`` / ``"16-mixed"``, and at stage 3 empty partitions
+    outside a gather), the others (frozen ones, buffers) as the module holds them (gathered at stage 3). A collective
+    over every rank; ``rank`` 0 gets the weights, the others ``{}``."""
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    out: dict[str, Any] = {}
+    for name, value in module.state_dict(keep_vars=True).items():  # the same order on every rank
+        if isinstance(value, torch.nn.Parameter):
+            whole = safe_get_full_fp32_param(value) if value.requires_grad else None  # a collective
+            if whole is None:  # not trained by the optimizer: the module's own (gathered at stage 3)
+                with deepspeed.zero.GatheredParameters([value], enabled=hasattr(value, "ds_id")):
+                    whole = value.detach().clone()
+            value = whole
+        if rank == 0 and isinstance(value, torch.Tensor):
+            out[name] = value.detach().to("cpu", copy=True)
+    return out

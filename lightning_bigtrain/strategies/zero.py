@@ -1006,7 +1006,53 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
     def on_train_end(self) -> None:
         self._async_commits.poll(self.is_global_zero, block=True)
         self._end_with_rank0_buffers()
+        self._end_with_fp32_weights()
         super().on_train_end()
+
+    def _end_with_fp32_weights(self) -> None:
+        """Stages 1-2 in mixed precision: through fit the trainable parameters are views into 16-bit buckets, their
+        fp32 masters sliced over the ranks in the optimizer state. At the end of training (every rank) they become
+        fp32 tensors again holding the masters (an all-gather per bucket), as a run under DDP or stage 3 ends: the
+        module as it was built, with the weights its checkpoint holds, not their 16-bit rounding. Where Lightning's
+        ``WeightAveraging`` copied its average into the module at ``on_train_end`` (before this hook), the fp32
+        average is taken instead, as it would have copied it into fp32 parameters."""
+        module = self.lightning_module
+        if not self._flat_engine or module is None:
+            return
+        average: dict[int, torch.Tensor] = {}
+        if self._averaged:  # the last callback's copy is the one left in the module
+            copy = self._averaged[-1]._average_model.module
+            average = {id(p): a for p, a in zip(module.parameters(), copy.parameters(), strict=True)}
+        for flat in [o for o in self.optimizers if isinstance(o, FlatShardedOptimizer)]:
+            for param, master in flat.whole_masters():
+                param.data = average.get(id(param), master).detach().to(param.device, torch.float32, copy=True)
+
+    def full_state_dict(self) -> dict[str, Any]:
+        """The module's weights whole, on the CPU, as the model is written: packed q/k/v in their own order and torch's
+        attention (tensor parallelism), every stage's blocks (pipeline parallelism), the fp32 masters (stages 1-2 in
+        mixed precision). A collective: call it on every rank. Rank 0 gets them; the other ranks get ``{}``. See
+        :func:`lightning_bigtrain.utilities.full_state_dict`."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        module = self.lightning_module
+        assert module is not None
+        pipelined = self._pipeline is not None
+        # (cpu_offload would give rank 0 alone the state: with a pipeline every stage's rank 0 must give its blocks)
+        options = StateDictOptions(full_state_dict=True, cpu_offload=not pipelined)
+        state: dict[str, Any] = get_model_state_dict(module, options=options)  # collective: every rank
+        if pipelined:
+            state = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+        flats = [o for o in self.optimizers if isinstance(o, FlatShardedOptimizer)]
+        masters = {id(p): m for o in flats for p, m in o.whole_masters()}  # collective: every rank
+        for name, param in module.named_parameters(remove_duplicate=False):
+            if state and id(param) in masters and param.dtype != torch.float32:  # 16-bit replicas (inside fit)
+                state[name] = masters[id(param)].cpu()
+        state = self._saved_layout(state)
+        if pipelined:  # each stage holds its own blocks: gather them all
+            parts: list[Any] = [None] * self.world_size
+            torch.distributed.all_gather_object(parts, state)
+            state = {k: v for part in parts for k, v in part.items()}
+        return state if self.global_rank == 0 else {}
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
@@ -1513,24 +1559,12 @@ class _FullWeightsLauncher(_MultiProcessingLauncher):
     def _collect_rank_zero_results(self, trainer: L.Trainer, results: Any) -> Any:
         import tempfile
 
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
         callback = trainer.checkpoint_callback
         best_model_path = getattr(callback, "best_model_path", None) if callback else None
         strategy = self._strategy
-        pipelined = isinstance(strategy, ZeroStrategy) and strategy._pipeline is not None
-        # (cpu_offload would give rank 0 alone the state: with a pipeline every stage's rank 0 must give its blocks)
-        options = StateDictOptions(full_state_dict=True, cpu_offload=not pipelined)
-        state_dict = get_model_state_dict(trainer.lightning_module, options=options)  # collective: every rank
-        if pipelined:
-            state_dict = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in state_dict.items()}
-        if isinstance(strategy, ZeroStrategy):
-            # The main process holds the module as written: packed q/k/v in their own order, torch's attention.
-            state_dict = strategy._saved_layout(state_dict)
-            if pipelined:  # each stage holds its own blocks: gather them all
-                parts: list[Any] = [None] * strategy.world_size
-                torch.distributed.all_gather_object(parts, state_dict)
-                state_dict = {k: v for part in parts for k, v in part.items()}
+        assert isinstance(strategy, ZeroStrategy)
+        # The main process holds the module as written: packed q/k/v in their own order, torch's attention.
+        state_dict = strategy.full_state_dict()  # collective: every rank
         if self._strategy.local_rank != 0:
             return None
         weights_path = None

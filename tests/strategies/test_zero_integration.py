@@ -134,10 +134,13 @@ def _model_at_init() -> FrozenPosGPT:
 class _GradDtypes(L.Callback):
     def __init__(self) -> None:
         self.grads: set[torch.dtype] = set()
+        self.stored: set[torch.dtype] = set()
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         # The gradients the optimizer steps with (stage 2 keeps no full gradients, only its reduced slices).
         self.grads |= {p.grad.dtype for g in optimizer.param_groups for p in g["params"] if p.grad is not None}
+        norms = {id(p) for p in norm_parameters(pl_module)}
+        self.stored |= {p.dtype for p in pl_module.parameters() if id(p) not in norms}  # the module's, in fit
 
 
 class _ComputeDtypeGPT(CharGPT):
@@ -167,7 +170,8 @@ def _bf16(rank: int, stage: int) -> dict:
     return {
         "grads": grads.grads,
         "compute": model.seen,
-        "stored": {p.dtype for p in model.parameters() if id(p) not in norms},
+        "stored": grads.stored,
+        "stored_after_fit": {p.dtype for p in model.parameters()},
         "stored_norms": {p.dtype for p in norms.values()},
         "optimizer": {v.dtype for s in opt_state.values() for k, v in s.items() if k != "step"},
         "masters": sum("master" in s for s in opt_state.values()),
@@ -179,7 +183,7 @@ def _bf16(rank: int, stage: int) -> dict:
 def test_bf16_mixed_maps_onto_the_sharding_policy(stage):
     """Stage 3: FSDP2 MixedPrecisionPolicy (bf16 gathered parameters, fp32 reduction, fp32 sharded parameters);
     stages 1-2: the ZeRO paper's layout, bf16 replicated parameters and gradient buckets (reduced in bf16) and
-    fp32 master slices in the optimizer state."""
+    fp32 master slices in the optimizer state; after fit, the module in fp32 again."""
     for r in run_on_ranks(_bf16, stage, init_process_group=False):
         assert r["compute"] == {torch.bfloat16}  # layers compute in bf16
         assert r["optimizer"] == {torch.float32}  # sharded fp32 states (and, at stages 1-2, masters)
@@ -191,6 +195,7 @@ def test_bf16_mixed_maps_onto_the_sharding_policy(stage):
             # fp32 bucket (their weights stay fp32).
             assert r["grads"] == {torch.bfloat16, torch.float32}
             assert r["stored"] == {torch.bfloat16} and r["stored_norms"] == {torch.float32}
+            assert r["stored_after_fit"] == {torch.float32}  # the masters again, as the module was built
             assert r["masters"] == r["bf16_buckets"] > 0  # only the bf16 buckets' states hold an fp32 master slice
 
 
@@ -308,10 +313,11 @@ torch.save(flat, {str(tmp_path / "loaded.pt")!r})
 
 def test_mixed_precision_checkpoint_consolidates_to_the_fp32_masters(tmp_path):
     """Stages 1-2 under bf16-mixed save bf16 replicas and, in the optimizer states, the fp32 masters; the
-    consolidated file holds the masters: fp32 weights whose bf16 rounding is the trained bf16 model."""
+    consolidated file holds the masters: the fp32 weights the module holds after fit (through fit, their bf16
+    rounding)."""
     from lightning_bigtrain.strategies.zero import consolidate_checkpoint
 
-    saved = run_on_ranks(_save, str(tmp_path), 2, 2, "bf16-mixed", init_process_group=False)[0]  # the bf16 model
+    saved = run_on_ranks(_save, str(tmp_path), 2, 2, "bf16-mixed", init_process_group=False)[0]  # after fit
     out = consolidate_checkpoint(tmp_path / "last.ckpt", tmp_path / "model.ckpt")
     state = torch.load(out, weights_only=True)["state_dict"]
     model = _model()
@@ -319,9 +325,7 @@ def test_mixed_precision_checkpoint_consolidates_to_the_fp32_masters(tmp_path):
     names = [(n, p.requires_grad and id(p) not in norms) for n, p in model.named_parameters()]
     assert all(state[n].dtype == torch.float32 for n, _ in names)
     masters = torch.cat([state[n].reshape(-1) for n, bf16 in names if bf16])
-    rounded = torch.cat([state[n].reshape(-1).to(torch.bfloat16).float() if bf16 else state[n].reshape(-1)
-                         for n, bf16 in names])  # fmt: skip
-    torch.testing.assert_close(rounded, saved, rtol=0, atol=0)
+    torch.testing.assert_close(torch.cat([state[n].reshape(-1) for n, _ in names]), saved, rtol=0, atol=0)
     assert (masters != masters.to(torch.bfloat16).float()).float().mean() > 0.5  # not rounded: the masters
 
 

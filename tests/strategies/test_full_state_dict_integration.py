@@ -1,0 +1,213 @@
+"""What the module holds after ``fit``, and ``lightning_bigtrain.utilities.full_state_dict``: the fitted weights whole,
+in the layout of the model as written, under every layout, on 2 CPU ranks. The reference is the checkpoint the same
+run writes after ``fit``, consolidated (``consolidate_checkpoint``, DeepSpeed's ``zero_to_fp32`` for its folders)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_bigtrain.models import CharGPT
+from lightning_bigtrain.strategies import DeepSpeedZeroStrategy, ZeroStrategy
+from lightning_bigtrain.strategies.zero import consolidate_checkpoint
+from lightning_bigtrain.utilities import full_state_dict
+from tests.helpers.distributed import run_on_ranks
+
+pytestmark = pytest.mark.integration
+
+_QUIET = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+
+
+_SIZE = dict(block_size=32, n_layer=2, n_head=4, n_embd=32, warmup_steps=1)
+
+
+def _model() -> CharGPT:
+    return CharGPT(**_SIZE)
+
+
+class _ShardsItself(CharGPT):
+    """A user's FSDP2 module for Lightning's own ``ModelParallelStrategy``."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        for block in self.blocks:
+            fully_shard(block, mesh=self.device_mesh["data_parallel"])
+        fully_shard(self, mesh=self.device_mesh["data_parallel"])
+
+
+def _fit(strategy: Any, precision: str = "32-true", callbacks: list[Any] | None = None) -> tuple[CharGPT, L.Trainer]:
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 96, (32, 33))
+    torch.manual_seed(1)
+    model = _ShardsItself(**_SIZE) if type(strategy) is ModelParallelStrategy else _model()
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, precision=precision, max_steps=3,
+                        callbacks=callbacks or [], **_QUIET)  # fmt: skip
+    trainer.fit(model, DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=8))
+    return model, trainer
+
+
+def _consolidated(trainer: L.Trainer, folder: str, name: str) -> dict[str, torch.Tensor] | None:
+    """The run's checkpoint written after ``fit``, consolidated on rank 0 (None on the others)."""
+    path = os.path.join(folder, name)
+    trainer.save_checkpoint(path)
+    if trainer.global_rank != 0:
+        return None
+    if os.path.isfile(path):  # Lightning's DDP: one file already
+        return torch.load(path, weights_only=False)["state_dict"]
+    saved = torch.load(consolidate_checkpoint(path, path + ".pt"), weights_only=False)
+    return saved.get("state_dict", saved)
+
+
+def _mixed_precision_ends_fp32(rank: int, folder: str) -> dict[str, Any]:
+    from lightning.pytorch.callbacks import EMAWeightAveraging
+
+    out: dict[str, Any] = {}
+    for stage in (1, 2):
+        model, trainer = _fit(ZeroStrategy(stage=stage), "bf16-mixed")
+        held = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        out[stage] = (held, _consolidated(trainer, folder, f"stage{stage}"))
+    averaging = EMAWeightAveraging(decay=0.5)
+    model, trainer = _fit(ZeroStrategy(stage=2), "bf16-mixed", [averaging])
+    average = averaging._average_model.module  # type: ignore[union-attr]
+    out["ema"] = [(p.dtype, torch.equal(p, a)) for p, a in zip(model.parameters(), average.parameters(), strict=True)]
+    return out
+
+
+def test_mixed_precision_stages_1_and_2_end_fit_holding_the_fp32_masters(tmp_path):
+    """Through fit the trainable parameters are views into bf16 buckets; after it the module held those bf16
+    replicas (its state dict, and a notebook's module, the fp32 weights rounded), where DDP and stage 3 end in fp32.
+    Now the parameters are fp32 again and hold the masters, which the checkpoint holds; under ``EMAWeightAveraging``
+    the fp32 average it copies in at the end of training."""
+    for r in run_on_ranks(_mixed_precision_ends_fp32, str(tmp_path), init_process_group=False):
+        for stage in (1, 2):
+            held, reference = r[stage]
+            assert {v.dtype for v in held.values()} == {torch.float32}, stage
+            if reference is not None:  # rank 0
+                assert held.keys() == reference.keys()
+                assert [k for k in reference if not torch.equal(held[k], reference[k])] == [], stage
+        assert r["ema"] and all(dtype == torch.float32 and same for dtype, same in r["ema"]), r["ema"]
+
+
+class _WholeAtTrainEnd(L.Callback):
+    """``full_state_dict`` in a hook every rank runs inside fit (stages 1-2 in bf16: the module holds bf16 replicas)."""
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.dtypes = {p.dtype for p in pl_module.parameters()}
+        self.whole = full_state_dict(trainer)
+
+
+def _whole_weights(rank: int, folder: str) -> dict[str, Any]:
+    from lightning.pytorch.strategies import ModelParallelStrategy
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    out: dict[str, Any] = {}
+    runs = {
+        "ddp": ("ddp", "32-true"),
+        # Lightning's own, a user's fully_shard: its checkpoint written whole (one file) is the reference.
+        "lightning_fsdp2": (ModelParallelStrategy(save_distributed_checkpoint=False), "32-true"),
+        "zero1_bf16": (ZeroStrategy(stage=1), "bf16-mixed"),
+        "zero3_bf16": (ZeroStrategy(stage=3), "bf16-mixed"),
+        "tp2": (ZeroStrategy(stage=3, tensor_parallel=2), "32-true"),
+        "pp2": (ZeroStrategy(pipeline_parallel=2), "32-true"),
+        "deepspeed3_bf16": (DeepSpeedZeroStrategy(stage=3), "bf16-mixed"),
+    }
+    for name, (strategy, precision) in runs.items():
+        inside = _WholeAtTrainEnd()
+        model, trainer = _fit(strategy, precision, [inside])
+        whole = full_state_dict(trainer)
+        if name == "zero1_bf16":
+            out["zero1_bf16_inside"] = (inside.dtypes, inside.whole)
+        if name == "tp2":  # torch's own full state dict of the split module: the packed rows in the ranks' order
+            naive = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            out["tp2_torch"] = naive.get("blocks.0.attn.qkv.weight")
+        out[name] = (whole, _consolidated(trainer, folder, name))
+    return out
+
+
+def test_full_state_dict_is_the_model_as_written_under_every_layout(tmp_path):
+    """Rank 0 gets every weight of the model as built, equal to the consolidated checkpoint (bf16 runs: the fp32
+    masters, also inside fit where the module holds their bf16 rounding), loadable into a fresh model; the other rank
+    ``{}``. Under tensor parallelism torch's own full state dict
+    of the split module holds the packed q/k/v rows in the ranks' order: a model that loads, and is wrong."""
+    rank0, rank1 = run_on_ranks(_whole_weights, str(tmp_path), init_process_group=False)
+    for name in ("ddp", "lightning_fsdp2", "zero1_bf16", "zero3_bf16", "tp2", "pp2", "deepspeed3_bf16"):
+        whole, reference = rank0[name]
+        assert rank1[name][0] == {}, name
+        assert whole.keys() == reference.keys() and len(whole) == 29, name
+        differing = [
+            k for k in reference if whole[k].dtype != reference[k].dtype or not torch.equal(whole[k], reference[k])
+        ]
+        assert differing == [], (name, differing)
+        assert {v.device.type for v in whole.values()} == {"cpu"} and {v.dtype for v in whole.values()} == {
+            torch.float32
+        }
+        _model().load_state_dict(whole)  # strict
+    dtypes, inside = rank0["zero1_bf16_inside"]
+    assert torch.bfloat16 in dtypes and inside.keys() == rank0["zero1_bf16"][0].keys()
+    assert all(torch.equal(inside[k], v) for k, v in rank0["zero1_bf16"][0].items())  # the masters, not their rounding
+    qkv = rank0["tp2"][0]["blocks.0.attn.qkv.weight"]
+    assert rank0["tp2_torch"].shape == qkv.shape and not torch.equal(rank0["tp2_torch"], qkv)
+
+
+def test_full_state_dict_names_the_way_in_without_a_module():
+    with pytest.raises(ValueError, match=r"full_state_dict\(trainer\)`: the trainer has no LightningModule"):
+        full_state_dict(L.Trainer(accelerator="cpu", devices=1, **_QUIET))
+
+
+class _ClampHead(L.Callback):
+    """A user's in-place write into the module after each step (weights clipped to a box), and the positions the
+    module holds at zero at the last batch's end (pruned: the replicas, bf16 inside fit)."""
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        with torch.no_grad():
+            pl_module.lm_head.weight.clamp_(-(2**-6), 2**-6)  # a bound bf16 holds exactly
+        self.zeros = {n: p.detach() == 0 for n, p in pl_module.named_parameters() if p.dim() == 2}
+
+
+class _SaveAfterStep2(L.Callback):
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step == 2:
+            trainer.save_checkpoint(self.path)
+
+
+def _written_in_fit(rank: int, folder: str) -> dict[str, Any]:
+    from lightning_bigtrain.callbacks import MagnitudePruning
+
+    clamp, path = _ClampHead(), os.path.join(folder, "step2")
+    callbacks = [MagnitudePruning(0.5, plot=False), clamp, _SaveAfterStep2(path)]
+    model, _ = _fit(ZeroStrategy(stage=2), "bf16-mixed", callbacks)
+    saved = None
+    if rank == 0:
+        saved = torch.load(consolidate_checkpoint(path, path + ".pt"), weights_only=False)["state_dict"]
+    return {"zeros": clamp.zeros, "after_fit": {k: v.detach().clone() for k, v in model.state_dict().items()},
+            "saved": saved}  # fmt: skip
+
+
+def test_writes_into_the_module_in_fit_stand_in_the_fp32_masters(tmp_path):
+    """Stages 1-2 in mixed precision: a pruning mask or a user's clamp written into the module at a batch's end landed
+    in the bf16 replicas only, and the next step put the masters' rounding back over them: the pruned weights were
+    back (dense) in every checkpoint (consolidated: 0% zeros where the module held 39%) and in the module after fit.
+    Now the written values become the masters at the next step, and consolidation and ``full_state_dict`` take them
+    where the step has not come yet."""
+    rank0 = run_on_ranks(_written_in_fit, str(tmp_path), init_process_group=False)[0]
+    zeros, after_fit, saved = rank0["zeros"], rank0["after_fit"], rank0["saved"]
+    assert sum(int(z.sum()) for z in zeros.values()) > 0.3 * sum(z.numel() for z in zeros.values())  # pruned
+    for name, zero in zeros.items():
+        assert after_fit[name].dtype == torch.float32 and bool((after_fit[name][zero] == 0).all()), name
+    # (A write equal to the master's bf16 rounding cannot be told from none: the master stays, within half a step.)
+    assert float(after_fit["lm_head.weight"].to(torch.bfloat16).abs().max()) <= 2**-6
+    # A checkpoint written after the callbacks' batch end, before the next step: its masks and clamp hold too.
+    pruned = sum(int((v == 0).sum()) for k, v in saved.items() if k in zeros)
+    assert pruned > 0.3 * sum(saved[k].numel() for k in zeros)
+    assert float(saved["lm_head.weight"].to(torch.bfloat16).abs().max()) <= 2**-6
