@@ -147,7 +147,8 @@ def full_state_dict(trainer: Any) -> dict[str, torch.Tensor]:
     DeepSpeed's engine in ``"bf16-mixed"`` holds 16-bit copies of its fp32 masters. This gathers them: the masters
     where the optimizer keeps some, packed projections in their own order, every stage's blocks. Under Lightning's
     own strategies (DDP, a single device) and ``CompressedDDPStrategy`` it is rank 0's ``state_dict()``; under
-    Lightning's FSDP and ``ModelParallelStrategy`` (DTensor parameters) torch's full state dict.
+    Lightning's ``ModelParallelStrategy`` (DTensor parameters: FSDP2, its tensor parallelism) torch's full state dict.
+    Lightning's ``FSDPStrategy`` (FSDP1 units) is refused: save a checkpoint with ``state_dict_type="full"`` there.
 
     A collective: call it on every rank (after ``trainer.fit``, in a script every rank runs; or in a hook every rank
     runs). Rank 0 gets the weights, the other ranks ``{}``::
@@ -161,13 +162,22 @@ def full_state_dict(trainer: Any) -> dict[str, torch.Tensor]:
         trainer: The Trainer that ran ``fit`` (or ``validate`` / ``test``) with the module.
 
     Raises:
-        ValueError: The trainer has no module attached.
+        ValueError: The trainer has no module attached, or its module holds FSDP1 units (Lightning's
+            ``FSDPStrategy``).
     """
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
     module = getattr(trainer, "lightning_module", None)
     if module is None:
         raise ValueError(
             "`full_state_dict(trainer)`: the trainer has no LightningModule; call it after `trainer.fit(model, ...)` "
             "(or validate / test) with the Trainer that ran it."
+        )
+    if any(isinstance(m, FullyShardedDataParallel) for m in module.modules()):
+        raise ValueError(
+            "`full_state_dict(trainer)`: the module holds FSDP1 units (Lightning's `FSDPStrategy`), whose whole state "
+            "dict is FSDP1's own collective. Write it with `FSDPStrategy(state_dict_type='full')` and "
+            "`trainer.save_checkpoint(path)` (one file, rank 0), or train with `ZeroStrategy(stage=3)` (FSDP2)."
         )
     strategy = trainer.strategy
     own = getattr(strategy, "full_state_dict", None)

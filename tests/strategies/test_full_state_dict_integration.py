@@ -157,9 +157,21 @@ def test_full_state_dict_is_the_model_as_written_under_every_layout(tmp_path):
     assert rank0["tp2_torch"].shape == qkv.shape and not torch.equal(rank0["tp2_torch"], qkv)
 
 
-def test_full_state_dict_names_the_way_in_without_a_module():
+def test_full_state_dict_names_the_way_in_without_a_module_and_under_fsdp1():
+    from types import SimpleNamespace
+
+    from torch import nn
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
     with pytest.raises(ValueError, match=r"full_state_dict\(trainer\)`: the trainer has no LightningModule"):
         full_state_dict(L.Trainer(accelerator="cpu", devices=1, **_QUIET))
+    # Lightning's FSDPStrategy wraps submodules in FSDP1 units (which need an accelerator to be built: a bare one here).
+    model = _model()
+    unit = FullyShardedDataParallel.__new__(FullyShardedDataParallel)
+    nn.Module.__init__(unit)
+    model.blocks[0].add_module("unit", unit)
+    with pytest.raises(ValueError, match=r"FSDP1 units .*state_dict_type='full'.*ZeroStrategy\(stage=3\)"):
+        full_state_dict(SimpleNamespace(lightning_module=model, strategy=None, global_rank=0))
 
 
 class _ClampHead(L.Callback):
