@@ -223,3 +223,33 @@ def test_writes_into_the_module_in_fit_stand_in_the_fp32_masters(tmp_path):
     pruned = sum(int((v == 0).sum()) for k, v in saved.items() if k in zeros)
     assert pruned > 0.3 * sum(saved[k].numel() for k in zeros)
     assert float(saved["lm_head.weight"].to(torch.bfloat16).abs().max()) <= 2**-6
+
+
+def _hugging_face_export(rank: int, folder: str) -> tuple[float, float] | None:
+    from benchmarks.conformance import _hf_gpt2
+
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 96, (32, 33))
+    torch.manual_seed(1)
+    model = _hf_gpt2()
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=ZeroStrategy(stage=3, tensor_parallel=2), max_steps=3,
+                        **_QUIET)  # fmt: skip
+    trainer.fit(model, DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=8))
+    held_out = DataLoader(TensorDataset(tokens[:8, :-1], tokens[:8, 1:]), batch_size=8)
+    validated = trainer.validate(model, held_out, verbose=False)[0]["val_loss"]
+    weights = full_state_dict(trainer)
+    if rank != 0:
+        return None
+    hf = model.model  # the user's `self.model`: its keys without the wrapper's prefix
+    hf.save_pretrained(folder, state_dict={k.removeprefix("model."): v for k, v in weights.items()})
+    reloaded = type(hf).from_pretrained(folder).eval()
+    with torch.no_grad():
+        return validated, float(reloaded(input_ids=tokens[:8, :-1], labels=tokens[:8, :-1]).loss)
+
+
+def test_a_hugging_face_model_exported_after_a_tensor_parallel_fit_reloads_computing_what_was_validated(tmp_path):
+    """GPT-2 (its attention's q/k/v packed in one ``Conv1D``, the head tied to the embedding) split over 2 ranks:
+    ``full_state_dict`` -> ``save_pretrained`` -> ``from_pretrained`` in one process gives the loss the split model
+    validated with."""
+    validated, reloaded = run_on_ranks(_hugging_face_export, str(tmp_path), init_process_group=False)[0]
+    assert reloaded == pytest.approx(validated, rel=1e-6)
