@@ -48,7 +48,9 @@ __all__ = [
     "epoch_results",
     "fit_combined_loader",
     "forward_redirection",
+    "keep_average_fp32_across_swaps",
     "metrics_reset_after_this_hook",
+    "restore_average_swap",
     "restore_callback_metrics",
     "restore_epoch_results",
     "rewrap_ddp",
@@ -380,3 +382,41 @@ def weight_averaging_callbacks(trainer: Any) -> list[Any]:
         return []
     found = [c for c in getattr(trainer, "callbacks", []) if isinstance(c, WeightAveraging)]
     return [c for c in found if getattr(c, "_average_model", None) is not None]
+
+
+def keep_average_fp32_across_swaps(callback: Any) -> None:
+    """Lightning's ``WeightAveraging`` swaps its average into the module around each validation by copying values both
+    ways (its private ``_swap_models``). Where the module holds 16-bit replicas (``ZeroStrategy`` stages 1-2 in mixed
+    precision) the round trip left the fp32 average rounded to 16 bits at every validation: an EMA's increments below
+    half a bf16 step of the average were lost. This callback's swap sets the average's fp32 values aside on the way in
+    and puts them back on the way out (the module gets its own 16-bit values back exactly); tensors of one dtype are
+    swapped as Lightning swaps them. :func:`restore_average_swap` undoes it."""
+    import itertools
+
+    import torch
+
+    held: dict[int, torch.Tensor] = {}
+
+    @torch.no_grad()
+    def swap(pl_module: Any) -> None:
+        average = callback._average_model.module
+        for a, c in zip(itertools.chain(average.parameters(), average.buffers()),
+                        itertools.chain(pl_module.parameters(), pl_module.buffers()), strict=False):  # fmt: skip
+            if a.dtype == c.dtype:
+                kept = a.data.clone()
+                a.data.copy_(c.data)
+                c.data.copy_(kept)
+            elif id(a) in held:  # out: the module's own 16-bit values (``a`` holds them exactly), the fp32 average back
+                c.data.copy_(a.data)
+                a.data.copy_(held.pop(id(a)))
+            else:  # in: the average, rounded, into the module; its fp32 values set aside
+                held[id(a)] = a.data.clone()
+                a.data.copy_(c.data)
+                c.data.copy_(held[id(a)])
+
+    callback._swap_models = swap
+
+
+def restore_average_swap(callback: Any) -> None:
+    """Lightning's own ``_swap_models`` for ``callback`` again (see :func:`keep_average_fp32_across_swaps`)."""
+    callback.__dict__.pop("_swap_models", None)

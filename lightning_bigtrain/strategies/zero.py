@@ -27,6 +27,8 @@ from lightning_bigtrain._compat import (
     _SubprocessScriptLauncher,
     _WorkerOutput,
     forward_redirection,
+    keep_average_fp32_across_swaps,
+    restore_average_swap,
     weight_averaging_callbacks,
 )
 from lightning_bigtrain._logging import is_logging_step, log_interval
@@ -841,6 +843,9 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
                 wrapped.append(flat)
             self.optimizers = wrapped
             self._trainable = TrainableWatch(self.lightning_module)
+            if param_dtype is not None:
+                for callback in self._averaged:  # its swaps around validation: the average stays fp32
+                    keep_average_fp32_across_swaps(callback)
             plugin = self.precision_plugin
             sixteen = param_dtype == torch.float16 or (engine is not None and self.stage == 2)
             if sixteen and isinstance(plugin, MixedPrecision) and plugin.scaler is not None:
@@ -1313,6 +1318,8 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         self._root_hooks, self._norm_hooks = [], []
         for metric in self._grouped_metrics:
             metric.process_group = None  # the module may be evaluated next under another layout
+        for callback in self._averaged:
+            restore_average_swap(callback)
         self._grouped_metrics = []
         for optimizer in self.optimizers:
             flat = getattr(optimizer, "_optimizer", optimizer)

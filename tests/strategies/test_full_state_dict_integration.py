@@ -41,16 +41,20 @@ class _ShardsItself(CharGPT):
         fully_shard(self, mesh=self.device_mesh["data_parallel"])
 
 
-def _fit(strategy: Any, precision: str = "32-true", callbacks: list[Any] | None = None) -> tuple[CharGPT, L.Trainer]:
+def _fit(
+    strategy: Any, precision: str = "32-true", callbacks: list[Any] | None = None, validate: bool = False
+) -> tuple[CharGPT, L.Trainer]:
     from lightning.pytorch.strategies import ModelParallelStrategy
 
     torch.manual_seed(0)
     tokens = torch.randint(0, 96, (32, 33))
     torch.manual_seed(1)
     model = _ShardsItself(**_SIZE) if type(strategy) is ModelParallelStrategy else _model()
+    data = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=8)
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, precision=precision, max_steps=3,
-                        callbacks=callbacks or [], **_QUIET)  # fmt: skip
-    trainer.fit(model, DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=8))
+                        callbacks=callbacks or [], val_check_interval=1 if validate else None,
+                        limit_val_batches=1 if validate else 0, num_sanity_val_steps=0, **_QUIET)  # fmt: skip
+    trainer.fit(model, data, data if validate else None)
     return model, trainer
 
 
@@ -75,9 +79,13 @@ def _mixed_precision_ends_fp32(rank: int, folder: str) -> dict[str, Any]:
         held = {k: v.detach().clone() for k, v in model.state_dict().items()}
         out[stage] = (held, _consolidated(trainer, folder, f"stage{stage}"))
     averaging = EMAWeightAveraging(decay=0.5)
-    model, trainer = _fit(ZeroStrategy(stage=2), "bf16-mixed", [averaging])
+    model, trainer = _fit(ZeroStrategy(stage=2), "bf16-mixed", [averaging], validate=True)  # a swap at every step
     average = averaging._average_model.module  # type: ignore[union-attr]
     out["ema"] = [(p.dtype, torch.equal(p, a)) for p, a in zip(model.parameters(), average.parameters(), strict=True)]
+    # The average through 3 validations (swapped into the bf16 module and back): still fp32, not its bf16 rounding.
+    out["ema_rounded"] = sum(int((a == a.to(torch.bfloat16).float()).sum()) for a in average.parameters()) / sum(
+        a.numel() for a in average.parameters()
+    )
     return out
 
 
@@ -85,7 +93,8 @@ def test_mixed_precision_stages_1_and_2_end_fit_holding_the_fp32_masters(tmp_pat
     """Through fit the trainable parameters are views into bf16 buckets; after it the module held those bf16
     replicas (its state dict, and a notebook's module, the fp32 weights rounded), where DDP and stage 3 end in fp32.
     Now the parameters are fp32 again and hold the masters, which the checkpoint holds; under ``EMAWeightAveraging``
-    the fp32 average it copies in at the end of training."""
+    the fp32 average it copies in at the end of training, an average kept fp32 through the swaps around validation
+    (Lightning's copies both ways rounded it to bf16 at every validation)."""
     for r in run_on_ranks(_mixed_precision_ends_fp32, str(tmp_path), init_process_group=False):
         for stage in (1, 2):
             held, reference = r[stage]
@@ -94,6 +103,9 @@ def test_mixed_precision_stages_1_and_2_end_fit_holding_the_fp32_masters(tmp_pat
                 assert held.keys() == reference.keys()
                 assert [k for k in reference if not torch.equal(held[k], reference[k])] == [], stage
         assert r["ema"] and all(dtype == torch.float32 and same for dtype, same in r["ema"]), r["ema"]
+        assert r["ema_rounded"] < 0.5, r[
+            "ema_rounded"
+        ]  # 0.22 (the replicas it averages are bf16); Lightning's swaps: 0.99
 
 
 class _WholeAtTrainEnd(L.Callback):
