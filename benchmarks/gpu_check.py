@@ -40,7 +40,8 @@ below holds the same values:
   (``resume``): ``0 / 1e-5``, and ``0 / 2e-2`` for bf16 weights (``resume.bf16``, two bf16 units in the last place
   at magnitude 1): CPU runs are bitwise reproducible, CUDA backward kernels may sum in another order.
 * ``zero*_*mixed.parity``: losses and final weights against plain DDP under the same precision (autocast over fp32
-  weights), with the bf16 tolerances below; parameters must be stored in the 16-bit type. Their ``.bytes`` are the
+  weights), with the bf16 tolerances below; parameters must be stored in the 16-bit type inside fit, and be fp32
+  after it (the masters). Their ``.bytes`` are the
   planner's rows at that precision (exact) and ``.resume`` uses the bf16 weights' tolerance above.
 * ``bf16_*.parity``: losses relative to the fp32 DDP run ``1e-2 / 1e-2`` (``bf16.parity.loss``) and final weights
   ``5e-2 / 5e-2`` (``bf16.parity.weights``); parameters must be stored in bf16.
@@ -287,6 +288,7 @@ class Run:
     trainer: L.Trainer
     module: L.LightningModule
     first: tuple[Any, dict[str, torch.Tensor]] | None = None
+    dtypes: tuple[str, ...] = ()  # the module's parameter dtypes inside fit (at each batch's end)
 
 
 @dataclass
@@ -364,6 +366,7 @@ class _Probe(L.Callback):
         self.keep_first = keep_first
         self.losses: list[float] = []
         self.first: tuple[Any, dict[str, torch.Tensor]] | None = None
+        self.dtypes: set[str] = set()
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int) -> None:
         if self.keep_first and self.first is None:
@@ -373,6 +376,7 @@ class _Probe(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, *args: Any) -> None:
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         self.losses.append(float(loss))
+        self.dtypes |= {str(p.dtype).removeprefix("torch.") for p in pl_module.parameters()}
 
 
 def _whole(p: torch.Tensor) -> torch.Tensor:
@@ -421,7 +425,7 @@ def fit(
     optimizer = trainer.optimizers[0] if trainer.optimizers else None
     state = dict(memory) if memory is not None else model_state_bytes(module, optimizer)
     ours = [f"{w.category.__name__}: {w.message}" for w in seen if "lightning_bigtrain" in w.category.__module__]
-    return Run(probe.losses, weights_of(module), state, ours, trainer, module, probe.first)
+    return Run(probe.losses, weights_of(module), state, ours, trainer, module, probe.first, tuple(sorted(probe.dtypes)))
 
 
 def _fit_and_resume(ctx: Context, kind: str, kwargs: Callable[[], dict[str, Any]], **options: Any) -> tuple[Run, Run]:
@@ -478,15 +482,15 @@ def check_zero_mixed(ctx: Context, subject: str, stage: int, precision: str) -> 
     whole, resumed = _fit_and_resume(ctx, "gpt", kwargs)
     reference = ctx.reference("gpt", precision)
     ctx.record(subject, whole, reference)
-    dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in whole.module.parameters()})
+    after = sorted({str(p.dtype).removeprefix("torch.") for p in whole.module.parameters()})
     half = "bfloat16" if precision == "bf16-mixed" else "float16"
     parity = _merge(f"{subject}.parity", [
         compare(subject, whole.losses, reference.losses, rtol=ctx.tol("bf16.parity.loss"),
                 what=f"loss rel vs DDP {precision}"),
         compare(subject, whole.weights, reference.weights, atol=ctx.tol("bf16.parity.weights"),
                 what=f"weights max|diff| vs DDP {precision}"),
-    ], f"parameters {'/'.join(dtypes)}")  # fmt: skip
-    if half not in dtypes:
+    ], f"parameters {'/'.join(whole.dtypes)} in fit, {'/'.join(after)} after it")  # fmt: skip
+    if half not in whole.dtypes or after != ["float32"]:  # 16-bit replicas in fit; the fp32 masters after it
         parity.status = "FAIL"
     planned = ctx.planned("gpt", f"zero{stage}", precision=precision)
     return [parity, _bytes(subject, whole.state, planned), _resume(ctx, subject, whole, resumed, "resume.bf16")]

@@ -1027,7 +1027,8 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         average: dict[int, torch.Tensor] = {}
         if self._averaged:  # the last callback's copy is the one left in the module
             copy = self._averaged[-1]._average_model.module
-            average = {id(p): a for p, a in zip(module.parameters(), copy.parameters(), strict=True)}
+            # (by position, as Lightning copies it: a module grown after the copy was made keeps its masters there)
+            average = {id(p): a for p, a in zip(module.parameters(), copy.parameters(), strict=False)}
         for flat in [o for o in self.optimizers if isinstance(o, FlatShardedOptimizer)]:
             for param, master in flat.whole_masters():
                 param.data = average.get(id(param), master).detach().to(param.device, torch.float32, copy=True)
