@@ -1048,11 +1048,12 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         state: dict[str, Any] = get_model_state_dict(module, options=options)  # collective: every rank
         if pipelined:
             state = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
-        flats = [o for o in self.optimizers if isinstance(o, FlatShardedOptimizer)]
-        masters = {id(p): m for o in flats for p, m in o.whole_masters()}  # collective: every rank
-        for name, param in module.named_parameters(remove_duplicate=False):
-            if state and id(param) in masters and param.dtype != torch.float32:  # 16-bit replicas (inside fit)
-                state[name] = masters[id(param)].cpu()
+        if any(p.dtype in (torch.bfloat16, torch.float16) for p in module.parameters()):  # 16-bit replicas, in fit
+            flats = [o for o in self.optimizers if isinstance(o, FlatShardedOptimizer)]
+            masters = {id(p): m for o in flats for p, m in o.whole_masters()}  # collective: every rank alike
+            for name, param in module.named_parameters(remove_duplicate=False):
+                if state and id(param) in masters:
+                    state[name] = masters[id(param)].cpu()
         state = self._saved_layout(state)
         if pipelined:  # each stage holds its own blocks: gather them all
             parts: list[Any] = [None] * self.world_size
