@@ -43,6 +43,7 @@ __all__ = [
     "_parse_num_batches",
     "_set_num_threads_if_needed",
     "_update_dataloader",
+    "average_fp32_masters",
     "combined_mode",
     "drop_fit_dataloaders",
     "epoch_results",
@@ -384,13 +385,14 @@ def weight_averaging_callbacks(trainer: Any) -> list[Any]:
     return [c for c in found if getattr(c, "_average_model", None) is not None]
 
 
-def keep_average_fp32_across_swaps(callback: Any) -> None:
+def keep_average_fp32_across_swaps(callback: Any, gather: Any = None) -> None:
     """Lightning's ``WeightAveraging`` swaps its average into the module around each validation by copying values both
     ways (its private ``_swap_models``). Where the module holds 16-bit replicas (``ZeroStrategy`` stages 1-2 in mixed
     precision) the round trip left the fp32 average rounded to 16 bits at every validation: an EMA's increments below
     half a bf16 step of the average were lost. This callback's swap sets the average's fp32 values aside on the way in
     and puts them back on the way out (the module gets its own 16-bit values back exactly); tensors of one dtype are
-    swapped as Lightning swaps them. :func:`restore_average_swap` undoes it."""
+    swapped as Lightning swaps them. ``gather(pl_module)``, where given, runs before each swap in (see
+    :func:`average_fp32_masters`). :func:`restore_average_swap` undoes it."""
     import itertools
 
     import torch
@@ -400,6 +402,8 @@ def keep_average_fp32_across_swaps(callback: Any) -> None:
     @torch.no_grad()
     def swap(pl_module: Any) -> None:
         average = callback._average_model.module
+        if gather is not None and not held:
+            gather(pl_module)
         for a, c in zip(itertools.chain(average.parameters(), average.buffers()),
                         itertools.chain(pl_module.parameters(), pl_module.buffers()), strict=False):  # fmt: skip
             if a.dtype == c.dtype:
@@ -417,6 +421,80 @@ def keep_average_fp32_across_swaps(callback: Any) -> None:
     callback._swap_models = swap
 
 
+def average_fp32_masters(callback: Any, engines: Any) -> None:
+    """Lightning's ``WeightAveraging`` updates its fp32 average from the module's parameters (``AveragedModel``'s
+    ``update_parameters(pl_module)``). Where those are 16-bit replicas (``ZeroStrategy`` stages 1-2 in mixed precision)
+    it averaged their bf16 rounding: an update smaller than half a bf16 step of a weight never reached the average,
+    which a run under DDP (fp32 parameters, autocast) or stage 3 (fp32 shards) averages. Here each rank updates the
+    parts of the average its fp32 master slices cover, from those masters (no communication; the parts it does not
+    hold are given the average itself, which an average of equal values leaves as it is), and the parts are
+    all-gathered (a collective every rank runs: the hooks below run on every rank) before anything reads the
+    average whole: before each swap into the module around validation, before it is copied into the module at the end
+    of training, before a checkpoint saves it. ``engines()`` lists the
+    :class:`~lightning_bigtrain.engines.flat_shard.FlatShardedOptimizer` s holding the masters. The average pairs
+    with the module's parameters by position, as Lightning pairs them. :func:`restore_average_swap` undoes it."""
+    import torch
+
+    averaged = callback._average_model
+
+    def paired(pl_module: Any) -> dict[int, torch.Tensor]:
+        return {id(p): a for p, a in zip(pl_module.parameters(), averaged.module.parameters(), strict=False)}
+
+    def gather(pl_module: Any) -> None:
+        targets = {k: a.data for k, a in paired(pl_module).items()}
+        for engine in engines():
+            engine.gather_parts_(targets)
+
+    class _Masters:
+        """What ``update_parameters`` reads as the model: the masters' values where this rank holds them."""
+
+        def __init__(self, params: list[torch.Tensor], buffers: list[torch.Tensor]) -> None:
+            self._params, self._buffers = params, buffers
+
+        def parameters(self) -> Any:
+            return iter(self._params)
+
+        def buffers(self) -> Any:
+            return iter(self._buffers)
+
+    @torch.no_grad()
+    def update_parameters(model: Any) -> None:
+        pairs = paired(model)
+        source: dict[int, torch.Tensor] = {}
+        for engine in engines():
+            for p, start, stop, master in engine.master_parts():
+                average = pairs.get(id(p))
+                if average is None:
+                    continue
+                if start == stop:
+                    source.setdefault(id(p), average.detach())
+                    continue
+                whole = source.get(id(p))
+                if whole is None or whole is average:
+                    whole = source[id(p)] = average.detach().clone()
+                whole.reshape(-1)[start:stop].copy_(master)  # (a clone: contiguous, so the view writes through)
+        params = [source.get(id(p), p) for p in model.parameters()]
+        type(averaged).update_parameters(averaged, _Masters(params, list(model.buffers())))
+
+    def copy_average_to_current(pl_module: Any) -> None:
+        gather(pl_module)
+        type(callback)._copy_average_to_current(callback, pl_module)
+
+    def on_save_checkpoint(trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        gather(pl_module)
+        type(callback).on_save_checkpoint(callback, trainer, pl_module, checkpoint)
+
+    averaged.__dict__["update_parameters"] = update_parameters
+    callback._copy_average_to_current = copy_average_to_current
+    callback.on_save_checkpoint = on_save_checkpoint
+    keep_average_fp32_across_swaps(callback, gather)
+
+
 def restore_average_swap(callback: Any) -> None:
-    """Lightning's own ``_swap_models`` for ``callback`` again (see :func:`keep_average_fp32_across_swaps`)."""
-    callback.__dict__.pop("_swap_models", None)
+    """Lightning's own ``_swap_models`` for ``callback`` again, and its own updates, copy at the end and save (see
+    :func:`keep_average_fp32_across_swaps`, :func:`average_fp32_masters`)."""
+    for name in ("_swap_models", "_copy_average_to_current", "on_save_checkpoint"):
+        callback.__dict__.pop(name, None)
+    averaged = getattr(callback, "_average_model", None)
+    if averaged is not None:
+        averaged.__dict__.pop("update_parameters", None)

@@ -653,6 +653,44 @@ class FlatShardedOptimizer(torch.optim.Optimizer):
             out += [(p, whole[o : o + p.numel()].view(p.shape)) for p, o in zip(b.params, b.offsets, strict=True)]
         return out
 
+    def master_parts(self) -> list[tuple[nn.Parameter, int, int, torch.Tensor]]:
+        """Mixed precision: ``(param, start, stop, master)`` for every 16-bit parameter, ``master`` the fp32 values of
+        its flattened elements ``[start, stop)`` this rank's master slice holds (``start == stop``: none of it). Read
+        after a step, these are what the step made of them (local, no communication). Empty without mixed precision."""
+        out = []
+        for b in self._buckets:
+            if b.master is None:
+                continue
+            lo = self.rank * b.chunk
+            for p, offset in zip(b.params, b.offsets, strict=True):
+                a, z = max(offset, lo), min(offset + p.numel(), lo + b.chunk)
+                a = min(a, z)
+                out.append((p, a - offset, z - offset, b.master[a - lo : z - lo]))
+        return out
+
+    @torch.no_grad()
+    def gather_parts_(self, targets: dict[int, torch.Tensor]) -> None:
+        """Mixed precision: for every 16-bit parameter ``p`` with a tensor of its shape in ``targets`` (keyed by
+        ``id(p)``), the elements of ``p`` this rank's master slice covers are taken from this rank's tensor and
+        all-gathered into every rank's: afterwards each target holds, everywhere, what its owners' held (a collective,
+        one all-gather per bucket: call it on every rank). Parameters without a target contribute their masters."""
+        for b in self._buckets:
+            if b.master is None:
+                continue
+            lo = self.rank * b.chunk
+            mine = b.master.to(b.flat.device, torch.float32, copy=True)
+            for p, offset in zip(b.params, b.offsets, strict=True):
+                target = targets.get(id(p))
+                a, z = max(offset, lo), min(offset + p.numel(), lo + b.chunk)
+                if target is not None and a < z:
+                    mine[a - lo : z - lo].copy_(target.reshape(-1)[a - offset : z - offset])
+            whole = mine.new_empty(b.chunk * self.world)
+            _all_gather(whole, mine, group=self.group)
+            for p, offset in zip(b.params, b.offsets, strict=True):
+                target = targets.get(id(p))
+                if target is not None:
+                    target.copy_(whole[offset : offset + p.numel()].view(target.shape))
+
     def _masters_to_replicas(self) -> None:
         """The masters, rounded to 16 bits, into this rank's slice of the replicas (all-gathered afterwards)."""
         for b in self._buckets:

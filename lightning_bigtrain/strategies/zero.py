@@ -26,8 +26,8 @@ from lightning_bigtrain._compat import (
     _set_num_threads_if_needed,
     _SubprocessScriptLauncher,
     _WorkerOutput,
+    average_fp32_masters,
     forward_redirection,
-    keep_average_fp32_across_swaps,
     restore_average_swap,
     weight_averaging_callbacks,
 )
@@ -844,8 +844,8 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
             self.optimizers = wrapped
             self._trainable = TrainableWatch(self.lightning_module)
             if param_dtype is not None:
-                for callback in self._averaged:  # its swaps around validation: the average stays fp32
-                    keep_average_fp32_across_swaps(callback)
+                for callback in self._averaged:  # it averages the fp32 masters, and the average stays fp32 in swaps
+                    average_fp32_masters(callback, self._flat_optimizers)
             plugin = self.precision_plugin
             sixteen = param_dtype == torch.float16 or (engine is not None and self.stage == 2)
             if sixteen and isinstance(plugin, MixedPrecision) and plugin.scaler is not None:
@@ -865,7 +865,7 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         tensor or pipeline parallelism) the parameters also stay gathered until the last micro-batch (ZeRO-1 and 2 keep
         whole parameters through the step), and stage 1's whole gradients accumulate unreduced
         (``set_requires_gradient_sync(False)``): one reduce-scatter and one all-gather per optimizer step."""
-        flats = [o for o in self.optimizers if isinstance(o, FlatShardedOptimizer)]
+        flats = self._flat_optimizers()
         sharded = self._gathered_fsdp_modules()
         for o in flats:
             o.require_sync = False
@@ -1014,6 +1014,10 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         self._end_with_fp32_weights()
         super().on_train_end()
 
+    def _flat_optimizers(self) -> list[FlatShardedOptimizer]:
+        """The flat engines (stages 1-2) among the optimizers."""
+        return [o for o in self.optimizers if isinstance(o, FlatShardedOptimizer)]
+
     def _end_with_fp32_weights(self) -> None:
         """Stages 1-2 in mixed precision: through fit the trainable parameters are views into 16-bit buckets, their
         fp32 masters sliced over the ranks in the optimizer state. At the end of training (every rank) they become
@@ -1029,7 +1033,7 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
             copy = self._averaged[-1]._average_model.module
             # (by position, as Lightning copies it: a module grown after the copy was made keeps its masters there)
             average = {id(p): a for p, a in zip(module.parameters(), copy.parameters(), strict=False)}
-        for flat in [o for o in self.optimizers if isinstance(o, FlatShardedOptimizer)]:
+        for flat in self._flat_optimizers():
             for param, master in flat.whole_masters():
                 param.data = average.get(id(param), master).detach().to(param.device, torch.float32, copy=True)
 
@@ -1049,7 +1053,7 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         if pipelined:
             state = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
         if any(p.dtype in (torch.bfloat16, torch.float16) for p in module.parameters()):  # 16-bit replicas, in fit
-            flats = [o for o in self.optimizers if isinstance(o, FlatShardedOptimizer)]
+            flats = self._flat_optimizers()
             masters = {id(p): m for o in flats for p, m in o.whole_masters()}  # collective: every rank alike
             for name, param in module.named_parameters(remove_duplicate=False):
                 if state and id(param) in masters:
@@ -1476,7 +1480,7 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         if self._pipeline is not None:  # stage-to-stage messages, the replicated parameters' gradient sums, FSDP2's
             sharded = self._fsdp_comm.bytes if self._fsdp_comm is not None else 0
             return int(self._pipeline.sent_bytes + self._pipeline.reduced_bytes + sharded)
-        flats = [o for o in self.optimizers if isinstance(o, FlatShardedOptimizer)]
+        flats = self._flat_optimizers()
         if flats:
             engine = self._compression.engine if self._compression is not None else None
             return sum(o.comm_bytes for o in flats) + (int(engine.sent_bytes) if engine is not None else 0)

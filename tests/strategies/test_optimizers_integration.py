@@ -130,7 +130,11 @@ def test_sparse_embedding_gradients_train_where_they_can_and_are_refused_at_setu
     in torch or DeepSpeed ("reshape is not implemented for sparse tensors", "Could not run 'fsdp::chunk_cat' ...
     'SparseCPU'"); stage 1 accumulates them into its dense buckets and trains as DDP does."""
     out = run_on_ranks(_sparse, ["ddp", "zero1", "zero2", "zero3", "ds1", "compressed"], init_process_group=False)[0]
-    assert torch.equal(out["zero1"], out["ddp"])
+    differ = out["zero1"] != out["ddp"]  # type: ignore[operator]
+    assert not differ.any(), (  # seen once in CI (not reproduced): say how far, for the next time
+        f"{int(differ.sum())} of {differ.numel()} values differ, at most by "
+        f"{(out['zero1'] - out['ddp']).abs().max().item():.3g}, first at {differ.nonzero()[:5].reshape(-1).tolist()}"  # type: ignore[operator]
+    )
     for name, who in (("zero2", "ZeroStrategy(stage=2)"), ("zero3", "ZeroStrategy(stage=3)"),
                       ("ds1", "DeepSpeedZeroStrategy(stage=1)"), ("compressed", "CompressedDDPStrategy")):  # fmt: skip
         assert f"`{who}` cannot reduce the sparse gradients of `emb`" in out[name], out[name]
