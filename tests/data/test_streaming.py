@@ -202,7 +202,11 @@ def test_s3_through_a_real_server_two_workers_and_a_bounded_cache(s3_bucket, tmp
         StreamingDataset(f"s3://{bucket}/ds", cache_dir=tmp_path / "c", cache_limit=max(sizes))
     limit = 6 * max(sizes)
     ds = StreamingDataset(f"s3://{bucket}/ds", cache_dir=tmp_path / "cache", cache_limit=limit, shuffle_window=2)
-    loader = streaming_loader(ds, batch_size=16, seed=1, num_workers=2)
+    # Workers from a forkserver (a fresh interpreter), not forked from this pytest worker: in a full-suite run it
+    # carries earlier tests' threads (Ray's, gloo's, fsspec's, moto's), and once (CI, 2026-12-07) a forked worker
+    # never delivered a batch (a 900 s hang, not reproduced alone or after those tests). A stuck worker now fails
+    # the test in two minutes.
+    loader = streaming_loader(ds, batch_size=16, seed=1, num_workers=2, multiprocessing_context="forkserver", timeout=120)
     for epoch in range(2):
         loader.sampler.set_epoch(epoch)
         labels = [int(y) for _, ys, _ in loader for y in ys]

@@ -1,8 +1,9 @@
 """Live tensor bytes on CPU over a run, from the profiler's allocation events (the c10 CPU allocator's).
 
-The profiler records every allocation and release on the thread that runs it (here: forward, backward,
-the optimizer step, and the collectives' buffers that the main thread allocates). Marks are allocations of
-distinct odd sizes, so that they can be found in the event stream without relying on clocks.
+The profiler records every allocation and release on the thread that runs it (here: forward, backward, the
+optimizer step, and the collectives' buffers that the main thread allocates). A release on another thread (gloo's) is
+not recorded; where the allocator hands its address out again, the block is counted released there. Marks are
+allocations of distinct odd sizes, so that they can be found in the event stream without relying on clocks.
 """
 
 from __future__ import annotations
@@ -75,6 +76,9 @@ class AllocationTimeline:
             # not part of this run: count only releases of blocks seen allocated.
             ptr = node.extra_fields.ptr
             if size > 0:
+                # Two live blocks cannot share an address: one still "live" here was released on a thread the
+                # profiler does not record (a collective's buffer freed on gloo's thread), before this allocation.
+                live -= allocated.get(ptr, 0)
                 allocated[ptr] = size
             elif allocated.pop(ptr, None) is None:
                 continue
