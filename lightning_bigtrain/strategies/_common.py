@@ -206,6 +206,78 @@ def refuse_sparse_gradients(module: Any, who: str, instead: str) -> None:
         )
 
 
+#: The hooks where a LightningModule reads or clips its gradients itself (``training_step``: manual optimization).
+_GRADIENT_HOOKS = ("on_after_backward", "on_before_optimizer_step", "configure_gradient_clipping", "optimizer_step",
+                   "training_step")  # fmt: skip
+#: torch's functions over ``param.grad`` that need every gradient whole on every rank (a norm), and those that need
+#: them present (element-wise: right on each rank's part).
+_NORM_FUNCTIONS = ("clip_grad_norm_", "get_total_norm")
+_ELEMENTWISE_FUNCTIONS = ("clip_grad_value_",)
+
+
+def _names_used(code: Any) -> set[str]:
+    """The global and attribute names ``code`` and the functions defined in it refer to (``co_names``)."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if hasattr(const, "co_names"):
+            names |= _names_used(const)
+    return names
+
+
+def _is_lightnings_grad_norm(value: Any) -> bool:
+    module = getattr(value, "__module__", None) or ""
+    return getattr(value, "__name__", None) == "grad_norm" and module.startswith(("lightning.", "pytorch_lightning."))
+
+
+def warn_own_gradient_reads(module: Any, who: str, what_grad_holds: str, absent: bool) -> None:
+    """Warn (once, on rank 0) where the module's own hooks clip or measure ``param.grad`` with torch's functions
+    (``torch.nn.utils.clip_grad_norm_``, ``get_total_norm``; with ``absent``, when the gradients are None there, also
+    ``clip_grad_value_``) or Lightning's ``grad_norm``, under a layout whose module gradients are not the averaged
+    gradients the optimizer applies (``what_grad_holds`` says what they are): there the clip silently clips by
+    another norm, or nothing, and the logged norms are other numbers. Found from the
+    names the overridden hooks' code refers to (no source needed: notebooks too); a call inside a helper method the
+    hooks call is not seen. Lightning's own clipping (``gradient_clip_val``, ``self.clip_gradients``) is right there."""
+    import contextlib
+    import inspect
+
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    if module is None:
+        return
+    found: list[str] = []
+    for hook in _GRADIENT_HOOKS:
+        if not is_overridden(hook, module):
+            continue
+        fn = inspect.unwrap(getattr(type(module), hook))  # (under a decorator: ``@torch.no_grad()``)
+        code = getattr(fn, "__code__", None)
+        if code is None:
+            continue
+        names = _names_used(code)
+        # A name of torch's functions, or any name bound to one (or to Lightning's ``grad_norm``) in the hook's module.
+        scope = dict(getattr(fn, "__globals__", {}))
+        cells = zip(code.co_freevars, getattr(fn, "__closure__", None) or (), strict=False)
+        for name, cell in cells:
+            with contextlib.suppress(ValueError):  # (an empty cell)
+                scope[name] = cell.cell_contents
+        bound = {name: scope.get(name) for name in names | set(code.co_freevars)}
+        resolved = {getattr(v, "__name__", None) for v in bound.values() if callable(v)} | names
+        functions = _NORM_FUNCTIONS + (_ELEMENTWISE_FUNCTIONS if absent else ())
+        called = [f"`{name}`" for name in functions if name in resolved]
+        if any(_is_lightnings_grad_norm(v) for v in bound.values()):
+            called.append("Lightning's `grad_norm`")
+        if called:
+            found.append(f"`{type(module).__name__}.{hook}` uses {', '.join(called)}")
+    if found:
+        warn_once(
+            f"{'; '.join(found)}: under `{who}` the module's `param.grad` is {what_grad_holds}, not the averaged "
+            "gradient the optimizer applies, so torch's clipping there clips by another norm or not at all and the "
+            "norms it logs are other numbers. Clip with `Trainer(gradient_clip_val=...)` or "
+            "`self.clip_gradients(optimizer, gradient_clip_val=..., gradient_clip_algorithm=...)` (by the global "
+            "norm over every rank here), and log norms with `lightning_bigtrain.utilities.grad_norm`.",
+            NoEffectWarning,
+        )
+
+
 def apply_layer_sync(strategy: Any, who: str) -> None:
     """``Trainer(sync_batchnorm=True)`` (or a ``LayerSync`` plugin) applied to the module when fitting, before it is
     sharded or wrapped, as Lightning's DDP and FSDP apply it: Lightning's ``ModelParallelStrategy`` and

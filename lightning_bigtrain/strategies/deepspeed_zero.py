@@ -47,6 +47,7 @@ from lightning_bigtrain.strategies._common import (
     _listed,
     apply_layer_sync,
     refuse_sparse_gradients,
+    warn_own_gradient_reads,
 )
 from lightning_bigtrain.strategies._compression import resolve_compression
 from lightning_bigtrain.strategies._fault import FaultTolerantStrategyMixin
@@ -409,6 +410,9 @@ class DeepSpeedZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, DeepSpeedStr
         if trainer.state.fn == TrainerFn.FITTING:
             refuse_sparse_gradients(self.model, f"DeepSpeedZeroStrategy(stage={self.stage})",
                                     "`ZeroStrategy(stage=1)` or Lightning's DDP")  # fmt: skip
+            warn_own_gradient_reads(self.lightning_module, f"DeepSpeedZeroStrategy(stage={self.stage})",
+                                    "None after backward (DeepSpeed keeps the reduced gradients in its own partitioned "
+                                    "buffers)", absent=True)  # fmt: skip
             apply_layer_sync(self, f"DeepSpeedZeroStrategy(stage={self.stage})")
             assert self.model is not None
             self.checkpointed_blocks = checkpoint_blocks_(self.model, self.activation_checkpointing,

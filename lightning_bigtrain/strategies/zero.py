@@ -77,6 +77,7 @@ from lightning_bigtrain.strategies._common import (
     ZeroCommon,
     apply_layer_sync,
     refuse_sparse_gradients,
+    warn_own_gradient_reads,
 )
 from lightning_bigtrain.strategies._compression import (
     CHECKPOINT_KEY,
@@ -428,6 +429,18 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
                 )
         if trainer.state.fn == TrainerFn.FITTING and not (self.stage == 1 and self._flat_engine):
             refuse_sparse_gradients(module, f"ZeroStrategy(stage={self.stage})", "stage 1 or Lightning's DDP")
+        if trainer.state.fn == TrainerFn.FITTING:
+            pipelined = f", pipeline_parallel={self.pipeline_parallel}" if self.pipeline_parallel > 1 else ""
+            who = f"ZeroStrategy(stage={self.stage}{pipelined})"
+            if self._flat_engine and self.stage == 1:
+                warn_own_gradient_reads(module, who, "the averaged gradient in this rank's slices of each bucket and "
+                                        "zeros in the others", absent=False)  # fmt: skip
+            elif self._flat_engine:
+                warn_own_gradient_reads(module, who, "None after backward (each rank keeps its slice of the averaged "
+                                        "gradient)", absent=True)  # fmt: skip
+            elif self.pipeline_parallel > 1:
+                warn_own_gradient_reads(module, who, "the gradient of this rank's pipeline stage only (the other "
+                                        "stages' parameters are on other ranks)", absent=False)  # fmt: skip
         finetuning = [c for c in getattr(trainer, "callbacks", []) if isinstance(c, BaseFinetuning)]
         if self._flat_engine and finetuning:
             # It maps the optimizer's parameters to the module's by identity (and failed on a KeyError there), and

@@ -64,14 +64,19 @@ def _data(rank: int) -> torch.utils.data.DataLoader:
 
 
 def _fits(rank: int) -> dict[str, Any]:
+    from lightning_bigtrain import warnings as bigtrain_warnings
+
     out = {}
     for name in ["reference", *_NAMES]:
         model = _Net(ours=name != "reference")
         trainer = L.Trainer(strategy=strategy("ddp" if name == "reference" else name), **_QUIET)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        bigtrain_warnings._seen.clear()  # (once per process: an earlier task in this rank may have said it)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             trainer.fit(model, _data(rank))
-        out[name] = {"norms": model.norms, "lightning": model.lightnings}
+        said = [str(w.message) for w in caught if issubclass(w.category, bigtrain_warnings.NoEffectWarning)]
+        out[name] = {"norms": model.norms, "lightning": model.lightnings,
+                     "warned": [m for m in said if "`_Net.on_before_optimizer_step` uses" in m]}  # fmt: skip
     return out
 
 
@@ -99,6 +104,14 @@ def test_grad_norm_gives_lightnings_ddp_numbers_under_every_strategy():
     assert lightning["zero2"] == [0, 0] and lightning["zero3"] == ["RuntimeError"] * 2
     assert lightning["ds2"] == lightning["ds3"] == [0] * 4  # (the hook runs on every micro-batch under DeepSpeed)
     assert lightning["ds1"] == [6, 0, 6, 0]  # stage 1: each rank's own gradient before the last micro-batch
+    # The hook's use of Lightning's grad_norm is pointed out at setup where it gives other numbers or none (rank 0).
+    warned = {name: results[0][name]["warned"] for name in _NAMES}
+    assert {name for name, said in warned.items() if said} == {"zero1", "zero2", "ds1", "ds2", "ds3"}, warned
+    assert (
+        "uses Lightning's `grad_norm`: under `ZeroStrategy(stage=2)` the module's `param.grad` is None"
+        in (warned["zero2"][0])
+    )
+    assert not results[0]["reference"]["warned"] and not any(results[1][name]["warned"] for name in _NAMES)
 
 
 def test_grad_norm_on_one_process_is_lightnings_and_refuses_a_bad_norm_type():
@@ -114,3 +127,51 @@ def test_grad_norm_on_one_process_is_lightnings_and_refuses_a_bad_norm_type():
     assert grad_norm(nn.Linear(2, 2), 2) == {}  # no gradients yet
     with pytest.raises(ValueError, match=r"grad_norm\(norm_type=0.0\).*positive"):
         grad_norm(model, 0)
+
+
+def test_a_modules_own_clipping_is_pointed_out_where_its_gradients_are_parts():
+    """What the warning looks for: torch's norm functions (by name, attribute or alias), element-wise clipping only
+    where the gradients are absent, Lightning's ``grad_norm`` but not ours, in overridden hooks only."""
+    from torch.nn.utils import clip_grad_norm_ as clip
+
+    from lightning_bigtrain import warnings as bigtrain_warnings
+    from lightning_bigtrain.strategies._common import warn_own_gradient_reads
+
+    class ByAttribute(L.LightningModule):
+        def on_before_optimizer_step(self, optimizer: Any) -> None:
+            torch.nn.utils.clip_grad_norm_(self.parameters(), 1.0)
+
+    class ByAlias(L.LightningModule):
+        def configure_gradient_clipping(self, optimizer: Any, *args: Any, **kwargs: Any) -> None:
+            clip(self.parameters(), 1.0)
+
+    class ByValue(L.LightningModule):
+        def on_after_backward(self) -> None:
+            torch.nn.utils.clip_grad_value_(self.parameters(), 1.0)
+
+    class Ours(L.LightningModule):
+        def on_before_optimizer_step(self, optimizer: Any) -> None:
+            self.log_dict(grad_norm(self, 2))
+            self.clip_gradients(optimizer, gradient_clip_val=1.0)
+
+    class Manual(L.LightningModule):
+        def training_step(self, batch: Any, batch_idx: int) -> None:
+            def inner() -> Any:  # a function defined in the hook
+                return lightning_grad_norm(self, 2)
+
+            inner()
+
+    def said(module: L.LightningModule, absent: bool) -> list[str]:
+        bigtrain_warnings._seen.clear()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            warn_own_gradient_reads(module, "ZeroStrategy(stage=1)", "parts", absent=absent)
+        return [str(w.message) for w in caught if issubclass(w.category, bigtrain_warnings.NoEffectWarning)]
+
+    assert "`ByAttribute.on_before_optimizer_step` uses `clip_grad_norm_`" in said(ByAttribute(), absent=False)[0]
+    assert "`ByAlias.configure_gradient_clipping` uses `clip_grad_norm_`" in said(ByAlias(), absent=False)[0]
+    assert said(ByValue(), absent=False) == []  # element-wise: right on each rank's slices
+    assert "`ByValue.on_after_backward` uses `clip_grad_value_`" in said(ByValue(), absent=True)[0]
+    assert said(Ours(), absent=True) == []
+    message = said(Manual(), absent=False)[0]
+    assert "`Manual.training_step` uses Lightning's `grad_norm`" in message and "self.clip_gradients(" in message
