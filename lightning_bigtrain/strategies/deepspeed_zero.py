@@ -23,7 +23,12 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from typing_extensions import override
 
-from lightning_bigtrain._compat import _IS_INTERACTIVE, weight_averaging_callbacks
+from lightning_bigtrain._compat import (
+    _IS_INTERACTIVE,
+    keep_average_fp32_across_swaps,
+    restore_average_swap,
+    weight_averaging_callbacks,
+)
 from lightning_bigtrain.checkpointing import atomic_folder_save, load_path
 from lightning_bigtrain.functional.activation_checkpoint import (
     ActivationCheckpointing,
@@ -329,6 +334,7 @@ class DeepSpeedZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, DeepSpeedStr
         self.deepspeed_options = ds
         self._rng_seed: int | None = None
         self._norm_hooks: list[Any] = []  # _match_norms_to_engine's, removed at teardown
+        self._averaged: list[Any] = []  # WeightAveraging callbacks given a swap that keeps the average fp32
         self.memory: dict[str, int] = {}
         self._trainable: TrainableWatch | None = None  # fitting: requires_grad as at setup
         self._storages: list[tuple[str, Any, int]] = []  # stages 1-2 fitting: each parameter's storage at setup
@@ -460,6 +466,12 @@ class DeepSpeedZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, DeepSpeedStr
         fitting = trainer.state.fn == TrainerFn.FITTING
         self._trainable = TrainableWatch(self.lightning_module) if fitting else None
         module = self.lightning_module
+        sixteen = module is not None and any(p.dtype in (torch.bfloat16, torch.float16) for p in module.parameters())
+        self._averaged = averaged if sixteen else []
+        for callback in self._averaged:
+            # Its swap around validation copied both ways through the engine's 16-bit module and left the fp32
+            # average rounded to 16 bits at every validation (all of it after the first): keep the fp32 values aside.
+            keep_average_fp32_across_swaps(callback)
         # Stages 1-2 hold each parameter as a view into DeepSpeed's flat buffers (stage 3 swaps `.data` itself).
         self._storages = (
             [(name, p, p.data_ptr()) for name, p in module.named_parameters()]
@@ -608,6 +620,9 @@ class DeepSpeedZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, DeepSpeedStr
     @override
     def teardown(self) -> None:
         super().teardown()
+        for callback in self._averaged:
+            restore_average_swap(callback)
+        self._averaged = []
         _restore_torch_linear()
         for handle in self._norm_hooks:
             handle.remove()

@@ -117,10 +117,18 @@ def _mixed_precision_ends_fp32(rank: int, folder: str) -> dict[str, Any]:
         names = [n for n, _ in model.named_parameters()]
         out["ema_saved"] = [(saved[n] - e).abs().max().item() for n, e in zip(names, expected, strict=True)]
     # The average through 3 validations (swapped into the bf16 module and back): still fp32, not its bf16 rounding.
-    out["ema_rounded"] = sum(int((a == a.to(torch.bfloat16).float()).sum()) for a in average.parameters()) / sum(
-        a.numel() for a in average.parameters()
-    )
+    out["ema_rounded"] = _bf16_share(average)
+    # DeepSpeed's engine (a bf16 module): Lightning's swap rounded the average too; the average is of the bf16 module.
+    averaging = EMAWeightAveraging(decay=0.5)
+    _fit(DeepSpeedZeroStrategy(stage=2), "bf16-mixed", [averaging], validate=True)
+    out["ds_ema_rounded"] = _bf16_share(averaging._average_model.module)  # type: ignore[union-attr]
     return out
+
+
+def _bf16_share(module: torch.nn.Module) -> float:
+    """The share of ``module``'s parameter values that bf16 holds exactly (an fp32 average rounded to bf16: 1)."""
+    exact = sum(int((a == a.to(torch.bfloat16).float()).sum()) for a in module.parameters())
+    return exact / sum(a.numel() for a in module.parameters())
 
 
 def test_mixed_precision_stages_1_and_2_end_fit_holding_the_fp32_masters(tmp_path):
@@ -142,6 +150,7 @@ def test_mixed_precision_stages_1_and_2_end_fit_holding_the_fp32_masters(tmp_pat
         assert max(off for _, off in r["ema_gap"]) > 1e-5, r["ema_gap"]  # bf16 rounding: 1.9e-4
         if "ema_saved" in r:
             assert max(r["ema_saved"]) <= 1e-7, r["ema_saved"]
+        assert r["ds_ema_rounded"] < 0.5, r["ds_ema_rounded"]  # 0.22 (the bf16 module's average); Lightning's swap: 1.0
         assert r["ema_rounded"] < 0.01, r["ema_rounded"]  # 0.0; of the replicas 0.22; Lightning's swaps 0.99
 
 
