@@ -21,10 +21,12 @@ from lightning.pytorch.plugins.precision import DeepSpeedPrecision
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, Strategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import GradClipAlgorithmType
+from torch import nn
 from typing_extensions import override
 
 from lightning_bigtrain._compat import (
     _IS_INTERACTIVE,
+    average_fp32_masters,
     keep_average_fp32_across_swaps,
     restore_average_swap,
     weight_averaging_callbacks,
@@ -468,10 +470,16 @@ class DeepSpeedZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, DeepSpeedStr
         module = self.lightning_module
         sixteen = module is not None and any(p.dtype in (torch.bfloat16, torch.float16) for p in module.parameters())
         self._averaged = averaged if sixteen else []
-        for callback in self._averaged:
-            # Its swap around validation copied both ways through the engine's 16-bit module and left the fp32
-            # average rounded to 16 bits at every validation (all of it after the first): keep the fp32 values aside.
-            keep_average_fp32_across_swaps(callback)
+        if self._averaged and module is not None and _DeepSpeedMasters.linked(module):
+            # It averaged the 16-bit module, and its swap around validation copied both ways through it, rounding
+            # the fp32 average to 16 bits at every validation: it averages DeepSpeed's fp32 masters now, each rank
+            # the fragments its partition holds, gathered before the average is read whole.
+            masters = _DeepSpeedMasters(module)
+            for callback in self._averaged:
+                average_fp32_masters(callback, lambda: [masters])
+        else:
+            for callback in self._averaged:  # (no link to the masters: the swap at least keeps the fp32 values)
+                keep_average_fp32_across_swaps(callback)
         # Stages 1-2 hold each parameter as a view into DeepSpeed's flat buffers (stage 3 swaps `.data` itself).
         self._storages = (
             [(name, p, p.data_ptr()) for name, p in module.named_parameters()]
@@ -760,6 +768,54 @@ class DeepSpeedZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, DeepSpeedStr
         """Per-rank bytes of parameters (stage 3: this rank's partitions), the fp32 partitions and gradients the
         engine keeps, and optimizer states, counted once in the second step after backward."""
         self._log_state_bytes(self.model_state_bytes())
+
+
+class _DeepSpeedMasters:
+    """DeepSpeed's stages 1-2 with a 16-bit module: the fp32 master fragment of each 16-bit parameter this rank holds
+    (DeepSpeed's ``_hp_mapping``: where in the parameter it starts and its fp32 values in the engine's flat partition),
+    read as :func:`~lightning_bigtrain._compat.average_fp32_masters` reads ``FlatShardedOptimizer``: ``master_parts``
+    and ``gather_parts_``."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.params = [p for p in module.parameters() if p.dtype in (torch.bfloat16, torch.float16)]
+
+    @staticmethod
+    def linked(module: nn.Module) -> bool:
+        """Whether every 16-bit parameter of ``module`` has DeepSpeed's link to its master (its stages 1-2 set it)."""
+        sixteen = [p for p in module.parameters() if p.dtype in (torch.bfloat16, torch.float16)]
+        return bool(sixteen) and all(hasattr(p, "_hp_mapping") and hasattr(p, "_dp_group") for p in sixteen)
+
+    def master_parts(self) -> list[tuple[nn.Parameter, int, int, torch.Tensor]]:
+        out = []
+        for p in self.params:
+            mapping = p._hp_mapping  # type: ignore[attr-defined]
+            if mapping is None:  # none of it in this rank's partition
+                out.append((p, 0, 0, p.new_empty(0, dtype=torch.float32)))
+                continue
+            at = mapping.lp_fragment_address
+            out.append((p, at.start, at.start + at.numel, mapping.get_hp_fragment().reshape(-1)))
+        return out
+
+    @torch.no_grad()
+    def gather_parts_(self, targets: dict[int, torch.Tensor]) -> None:
+        """Each target's elements from the rank whose partition holds them (an all-reduce of one flat buffer in which
+        every rank writes its fragments and zeros elsewhere: a collective, call it on every rank)."""
+        chosen = [p for p in self.params if id(p) in targets]
+        if not chosen:
+            return
+        flat = torch.zeros(sum(p.numel() for p in chosen), dtype=torch.float32, device=chosen[0].device)
+        offset, spans = 0, []
+        for p in chosen:
+            mapping = p._hp_mapping  # type: ignore[attr-defined]
+            if mapping is not None:
+                a, n = mapping.lp_fragment_address.start, mapping.lp_fragment_address.numel
+                flat[offset + a : offset + a + n].copy_(targets[id(p)].reshape(-1)[a : a + n])
+            spans.append((p, offset))
+            offset += p.numel()
+        torch.distributed.all_reduce(flat, group=chosen[0]._dp_group)  # type: ignore[attr-defined]
+        for p, start in spans:
+            target = targets[id(p)]
+            target.copy_(flat[start : start + p.numel()].view(target.shape))
 
 
 class _EngineClipping(DeepSpeedPrecision):
