@@ -259,7 +259,7 @@ class _SaveAfterStep2(L.Callback):
         self.path = path
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-        if trainer.global_step == 2 and self.folder is not None:
+        if trainer.global_step == 2:
             trainer.save_checkpoint(self.path)
 
 

@@ -131,7 +131,7 @@ def test_sparse_embedding_gradients_train_where_they_can_and_are_refused_at_setu
     'SparseCPU'"); stage 1 accumulates them into its dense buckets and trains as DDP does."""
     out = run_on_ranks(_sparse, ["ddp", "zero1", "zero2", "zero3", "ds1", "compressed"], init_process_group=False)[0]
     differ = out["zero1"] != out["ddp"]  # type: ignore[operator]
-    assert not differ.any(), (  # seen once in CI (not reproduced): say how far, for the next time
+    assert not differ.any(), (  # failed once in a full clean-clone run (not reproduced): say how far, next time
         f"{int(differ.sum())} of {differ.numel()} values differ, at most by "
         f"{(out['zero1'] - out['ddp']).abs().max().item():.3g}, first at {differ.nonzero()[:5].reshape(-1).tolist()}"  # type: ignore[operator]
     )
