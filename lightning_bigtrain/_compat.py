@@ -466,13 +466,13 @@ def average_fp32_masters(callback: Any, engines: Any) -> None:
                 average = pairs.get(id(p))
                 if average is None:
                     continue
-                if start == stop:
-                    source.setdefault(id(p), average.detach())
-                    continue
-                whole = source.get(id(p))
-                if whole is None or whole is average:
-                    whole = source[id(p)] = average.detach().clone()
-                whole.reshape(-1)[start:stop].copy_(master)  # (a clone: contiguous, so the view writes through)
+                if start == stop:  # none of it here
+                    source[id(p)] = average.detach()
+                elif stop - start == p.numel():  # all of it here: the master itself, no copy
+                    source[id(p)] = master.view(p.shape)
+                else:  # a parameter across two ranks' slices: this rank's part written into a copy of the average
+                    source[id(p)] = average.detach().clone()
+                    source[id(p)].view(-1)[start:stop].copy_(master)
         params = [source.get(id(p), p) for p in model.parameters()]
         type(averaged).update_parameters(averaged, _Masters(params, list(model.buffers())))
 

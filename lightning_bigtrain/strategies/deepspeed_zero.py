@@ -468,13 +468,12 @@ class DeepSpeedZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, DeepSpeedStr
         fitting = trainer.state.fn == TrainerFn.FITTING
         self._trainable = TrainableWatch(self.lightning_module) if fitting else None
         module = self.lightning_module
-        sixteen = module is not None and any(p.dtype in (torch.bfloat16, torch.float16) for p in module.parameters())
-        self._averaged = averaged if sixteen else []
-        if self._averaged and module is not None and _DeepSpeedMasters.linked(module):
+        self._averaged = averaged if self._sixteen_bit_dtype() is not None else []
+        masters = _DeepSpeedMasters(module) if self._averaged and module is not None else None
+        if masters is not None and masters.linked():
             # It averaged the 16-bit module, and its swap around validation copied both ways through it, rounding
             # the fp32 average to 16 bits at every validation: it averages DeepSpeed's fp32 masters now, each rank
             # the fragments its partition holds, gathered before the average is read whole.
-            masters = _DeepSpeedMasters(module)
             for callback in self._averaged:
                 average_fp32_masters(callback, lambda: [masters])
         else:
@@ -779,11 +778,9 @@ class _DeepSpeedMasters:
     def __init__(self, module: nn.Module) -> None:
         self.params = [p for p in module.parameters() if p.dtype in (torch.bfloat16, torch.float16)]
 
-    @staticmethod
-    def linked(module: nn.Module) -> bool:
-        """Whether every 16-bit parameter of ``module`` has DeepSpeed's link to its master (its stages 1-2 set it)."""
-        sixteen = [p for p in module.parameters() if p.dtype in (torch.bfloat16, torch.float16)]
-        return bool(sixteen) and all(hasattr(p, "_hp_mapping") and hasattr(p, "_dp_group") for p in sixteen)
+    def linked(self) -> bool:
+        """Whether every 16-bit parameter has DeepSpeed's link to its master (its stages 1-2 set it)."""
+        return bool(self.params) and all(hasattr(p, "_hp_mapping") and hasattr(p, "_dp_group") for p in self.params)
 
     def master_parts(self) -> list[tuple[nn.Parameter, int, int, torch.Tensor]]:
         out = []
