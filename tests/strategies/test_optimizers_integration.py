@@ -130,11 +130,10 @@ def test_sparse_embedding_gradients_train_where_they_can_and_are_refused_at_setu
     in torch or DeepSpeed ("reshape is not implemented for sparse tensors", "Could not run 'fsdp::chunk_cat' ...
     'SparseCPU'"); stage 1 accumulates them into its dense buckets and trains as DDP does."""
     out = run_on_ranks(_sparse, ["ddp", "zero1", "zero2", "zero3", "ds1", "compressed"], init_process_group=False)[0]
-    differ = out["zero1"] != out["ddp"]  # type: ignore[operator]
-    assert not differ.any(), (  # failed once in a full clean-clone run (not reproduced): say how far, next time
-        f"{int(differ.sum())} of {differ.numel()} values differ, at most by "
-        f"{(out['zero1'] - out['ddp']).abs().max().item():.3g}, first at {differ.nonzero()[:5].reshape(-1).tolist()}"  # type: ignore[operator]
-    )
+    # As DDP trains, to one unit in the last place: the embedding's duplicate rows in a batch are summed in another
+    # order (stage 1 adds the sparse gradient into its dense bucket; DDP coalesces the ranks' sparse gradients), and
+    # that order varied between runs: bit-equal in most; in two clean-clone runs not (one: 1 value of 3332, 7.45e-09).
+    torch.testing.assert_close(out["zero1"], out["ddp"], rtol=1e-6, atol=1e-8)
     for name, who in (("zero2", "ZeroStrategy(stage=2)"), ("zero3", "ZeroStrategy(stage=3)"),
                       ("ds1", "DeepSpeedZeroStrategy(stage=1)"), ("compressed", "CompressedDDPStrategy")):  # fmt: skip
         assert f"`{who}` cannot reduce the sparse gradients of `emb`" in out[name], out[name]
