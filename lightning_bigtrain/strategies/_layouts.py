@@ -100,8 +100,12 @@ def masters_into_state_dict(checkpoint: dict[str, Any]) -> None:
     """Mixed precision at stages 1-2: replace the 16-bit weights of ``state_dict`` with the fp32 masters kept in the
     flat optimizer states (each bucket's ``"master"``), by the saved layout; where a saved weight is not its master's
     rounding (written after the last step, e.g. a pruning mask applied at the batch's end), the saved one
-    (:func:`~lightning_bigtrain.engines.flat_shard.written_over`)."""
+    (:func:`~lightning_bigtrain.engines.flat_shard.written_over`).
+
+    A ``WeightAveraging`` checkpoint keeps the module's own weights as ``current_model_state`` (``state_dict`` is
+    the average, saved in fp32): the masters go there."""
     layouts = checkpoint.get(LAYOUT_KEY) or []
+    key = "current_model_state" if isinstance(checkpoint.get("current_model_state"), dict) else "state_dict"
     for states, layout in zip(checkpoint.get("optimizer_states", []), layouts, strict=False):
         if layout is None:
             continue
@@ -114,10 +118,10 @@ def masters_into_state_dict(checkpoint: dict[str, Any]) -> None:
                 numel = math.prod(shape)
                 for name in names:
                     weights = master[offset : offset + numel].reshape(shape)
-                    replica = checkpoint["state_dict"].get(name)
+                    replica = checkpoint[key].get(name)
                     if isinstance(replica, torch.Tensor) and replica.shape == weights.shape:
                         weights = written_over(weights, replica)  # written into the module after the last step
-                    checkpoint["state_dict"][name] = weights.clone()
+                    checkpoint[key][name] = weights.clone()
 
 
 def named_optimizer_state(

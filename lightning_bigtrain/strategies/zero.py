@@ -1178,11 +1178,17 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
         reader = FsspecReader(location) if _is_url(location) else dcp.FileSystemReader(location)
-        saved_keys = {key.split(".", 1)[0] for key in reader.read_metadata().state_dict_metadata}
+        metadata = reader.read_metadata().state_dict_metadata
+        saved_keys = {key.split(".", 1)[0] for key in metadata}
         if "current_model_state" in saved_keys and not packed and not pipelined:
             # WeightAveraging's: the module's own weights (the average is `state_dict`), laid out as the module's, in
             # tensors of their own (the model state dict's are the parameters, which the average is loaded into).
             state["current_model_state"] = _detached_copy(get_model_state_dict(self.model))
+        # Weights saved in a wider dtype than the module's 16-bit replicas (stages 1-2 in mixed precision): read into
+        # targets of their saved dtype, then copied into the module (rounded there). WeightAveraging's average is
+        # saved as `state_dict` in fp32 (it averages the fp32 masters) and given to its callback from here: read
+        # through the replicas it was rounded to 16 bits (8.5e-4 off the uninterrupted run's after a few steps).
+        state["state_dict"] = {k: _as_saved(v, metadata.get(f"state_dict.{k}")) for k, v in state["state_dict"].items()}
         # Packed projections load through views in their saved order, in place into the targets (whole tensors of
         # a swapped attention are copied back into its q/k/v).
         saved = {k: self._saved_layout(v) for k, v in state.items()}
@@ -1288,6 +1294,12 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         masters_into_state_dict(checkpoint)
         checkpoint.pop(LAYOUT_KEY, None)
         weights = checkpoint.pop("state_dict")
+        # A WeightAveraging checkpoint: `state_dict` is the average, the module's own weights (and the fp32 masters
+        # are set from) `current_model_state`. Loading the average there made it the masters of stages 1-2, which
+        # the callback's load of the module's weights then rounded into (3.6e-4 off, resumed from stage 3 at 2).
+        average = weights if isinstance(checkpoint.get("current_model_state"), dict) else None
+        if average is not None:
+            weights = checkpoint["current_model_state"]
         saved_states = checkpoint.pop("optimizer_states", [])
         if len(saved_states) != len(self.optimizers):
             raise ValueError(
@@ -1312,19 +1324,17 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
                 apply_named_state(flat, self.model, named, weights)
             else:
                 set_optimizer_state_dict(self.model, optimizer, named, options=StateDictOptions(full_state_dict=True))
-        if "current_model_state" in checkpoint:
-            # WeightAveraging's checkpoint, for its on_load_checkpoint: the average (`state_dict`, loaded into the
-            # module above) and the module's own weights, both laid out as the module's parameters (it failed on
-            # a KeyError for `state_dict`, and stage 3's DTensors cannot take whole tensors).
-            if self._flat_engine:
-                checkpoint["state_dict"] = weights
-            else:
+        if average is not None:
+            # WeightAveraging's checkpoint, for its on_load_checkpoint: the average (`state_dict`) and the module's
+            # own weights (loaded above), both laid out as the module's parameters (it failed on a KeyError for
+            # `state_dict`, and stage 3's DTensors cannot take whole tensors).
+            checkpoint["state_dict"] = average
+            if not self._flat_engine:
                 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-                checkpoint["state_dict"] = _detached_copy(get_model_state_dict(self.model))
-                checkpoint["current_model_state"] = _laid_out_like(
-                    checkpoint["current_model_state"], checkpoint["state_dict"]
-                )
+                held = get_model_state_dict(self.model)
+                checkpoint["state_dict"] = _laid_out_like(average, held)
+                checkpoint["current_model_state"] = _laid_out_like(weights, held)
         return checkpoint
 
     @override
@@ -1598,6 +1608,17 @@ class _FullWeightsLauncher(_MultiProcessingLauncher):
             weights_path = os.path.join(tempfile.mkdtemp(), ".temp.ckpt")
             self._strategy.checkpoint_io.save_checkpoint(state_dict, weights_path)
         return _WorkerOutput(best_model_path, weights_path, trainer.state, results, self.get_extra_results(trainer))
+
+
+def _as_saved(target: Any, saved: Any) -> Any:
+    """A 16-bit load target whose entry was saved wider: a target of its own in the saved dtype (the checkpoint's
+    values, unrounded); any other target as it is."""
+    dtype = getattr(getattr(saved, "properties", None), "dtype", None)
+    if not isinstance(target, torch.Tensor) or target.dtype not in (torch.bfloat16, torch.float16) or dtype is None:
+        return target
+    if dtype.itemsize <= target.dtype.itemsize or type(target) is not torch.Tensor:
+        return target
+    return torch.empty_like(target, dtype=dtype)
 
 
 def _detached_copy(state: dict[str, Any]) -> dict[str, Any]:

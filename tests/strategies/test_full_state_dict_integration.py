@@ -42,7 +42,12 @@ class _ShardsItself(CharGPT):
 
 
 def _fit(
-    strategy: Any, precision: str = "32-true", callbacks: list[Any] | None = None, validate: bool = False
+    strategy: Any,
+    precision: str = "32-true",
+    callbacks: list[Any] | None = None,
+    validate: bool = False,
+    ckpt_path: str | None = None,
+    max_steps: int = 3,
 ) -> tuple[CharGPT, L.Trainer]:
     from lightning.pytorch.strategies import ModelParallelStrategy
 
@@ -51,10 +56,10 @@ def _fit(
     torch.manual_seed(1)
     model = _ShardsItself(**_SIZE) if type(strategy) is ModelParallelStrategy else _model()
     data = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=8)
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, precision=precision, max_steps=3,
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, precision=precision, max_steps=max_steps,
                         callbacks=callbacks or [], val_check_interval=1 if validate else None,
                         limit_val_batches=1 if validate else 0, num_sanity_val_steps=0, **_QUIET)  # fmt: skip
-    trainer.fit(model, data, data if validate else None)
+    trainer.fit(model, data, data if validate else None, ckpt_path=ckpt_path)
     return model, trainer
 
 
@@ -133,6 +138,85 @@ def _mixed_precision_ends_fp32(rank: int, folder: str) -> dict[str, Any]:
     triples = zip(average.parameters(), reference.masters, reference.replicas, strict=True)
     out["ds_ema_gap"] = [((a - m).abs().max().item(), (r - m).abs().max().item()) for a, m, r in triples]
     return out
+
+
+class _HeldAtStart(L.Callback):
+    """What a resumed run starts from, whole (every rank): the module's fp32 weights (the masters, stages 1-2) and
+    ``averaging``'s average."""
+
+    def __init__(self, averaging: Any) -> None:
+        self.averaging = averaging
+        self.weights: list[torch.Tensor] = []
+        self.average: list[torch.Tensor] = []
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        def whole(t: torch.Tensor) -> torch.Tensor:
+            return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().float().clone()
+
+        flats = trainer.strategy._flat_optimizers()  # type: ignore[attr-defined]
+        masters = {id(p): m for o in flats for p, m in o.whole_masters()}
+        self.weights = [whole(masters.get(id(p), p)) for p in pl_module.parameters()]
+        self.average = [whole(a) for a in self.averaging._average_model.module.parameters()]
+
+
+def _averaged_resumes(rank: int, folder: str) -> dict[str, Any]:
+    """``EMAWeightAveraging`` in bf16-mixed, saved at step 2 and resumed: in its own layout (stage 2) to the end, and
+    in another (stage 2 -> 3, 3 -> 2), where what the resumed run starts from is compared with what was saved."""
+    from lightning.pytorch.callbacks import EMAWeightAveraging
+
+    def ends(model: torch.nn.Module, averaging: Any) -> list[torch.Tensor]:
+        module = averaging._average_model.module
+        return [t.detach().clone() for t in [*model.parameters(), *module.parameters()]]
+
+    out: dict[str, Any] = {}
+    averaging = EMAWeightAveraging(decay=0.5)
+    held = {stage: _HeldAtStart(averaging) for stage in (2, 3)}
+    model, _ = _fit(ZeroStrategy(stage=2), "bf16-mixed", [averaging, _SaveAt(2, folder, "s2"), held[2]])
+    out["whole"] = ends(model, averaging)
+    out["saved2"] = held[2].weights, held[2].average  # (read at step 2, after the save: see _SaveAt)
+    averaging = EMAWeightAveraging(decay=0.5)
+    ckpt = os.path.join(folder, "s2")
+    model, _ = _fit(ZeroStrategy(stage=2), "bf16-mixed", [averaging], ckpt_path=ckpt)
+    out["resumed"] = ends(model, averaging)
+    averaging = EMAWeightAveraging(decay=0.5)
+    start = _HeldAtStart(averaging)
+    _fit(ZeroStrategy(stage=3), "bf16-mixed", [averaging, start], ckpt_path=ckpt)
+    out["2>3"] = start.weights, start.average
+    averaging = EMAWeightAveraging(decay=0.5)
+    held3 = _HeldAtStart(averaging)
+    _fit(ZeroStrategy(stage=3), "bf16-mixed", [averaging, _SaveAt(2, folder, "s3"), held3], max_steps=2)
+    out["saved3"] = held3.weights, held3.average
+    averaging = EMAWeightAveraging(decay=0.5)
+    start = _HeldAtStart(averaging)
+    _fit(ZeroStrategy(stage=2), "bf16-mixed", [averaging, start], ckpt_path=os.path.join(folder, "s3"))
+    out["3>2"] = start.weights, start.average
+    return out
+
+
+class _SaveAt(L.Callback):
+    """Saves ``folder/name`` at ``step``, then has ``_HeldAtStart`` callbacks after it read what was saved."""
+
+    def __init__(self, step: int, folder: str, name: str) -> None:
+        self.step, self.path = step, os.path.join(folder, name)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            trainer.save_checkpoint(self.path)  # (gathers the average of the masters' parts into the copy)
+            for callback in trainer.callbacks:  # type: ignore[attr-defined]
+                if isinstance(callback, _HeldAtStart):
+                    callback.on_train_start(trainer, pl_module)
+
+
+def test_mixed_precision_weight_averaging_resumes_exactly_in_any_layout(tmp_path):
+    """Resumed under stages 1-2 in bf16-mixed, the average was read through the module's bf16 replicas (rounded:
+    4.3e-4 off the uninterrupted run's after 3 steps); and converted from stage 3, the average became the fp32
+    masters, which the module's own weights, rounded to bf16, then overwrote (3.6e-4 off). Now the resumed run ends
+    bit-identical in its own layout and starts from what was saved in another."""
+    for r in run_on_ranks(_averaged_resumes, str(tmp_path), init_process_group=False):
+        assert all(torch.equal(a, b) for a, b in zip(r["resumed"], r["whole"], strict=True))
+        for saved, resumed in (("saved2", "2>3"), ("saved3", "3>2")):
+            for kept, loaded in zip(r[saved], r[resumed], strict=True):
+                assert kept and all(torch.equal(a, b) for a, b in zip(kept, loaded, strict=True)), resumed
 
 
 def _bf16_share(module: torch.nn.Module) -> float:
