@@ -153,6 +153,12 @@ def _prune_zero3_gpt() -> dict[str, Any]:
     return {"strategy": ZeroStrategy(stage=3, min_wrap_params=1000), "callbacks": [pruning]}
 
 
+def _ema() -> L.Callback:
+    from lightning.pytorch.callbacks import EMAWeightAveraging
+
+    return EMAWeightAveraging(decay=0.7)
+
+
 def _structured_ddp_cnn() -> dict[str, Any]:
     # Channels removed at steps 1, 3 (before the interruption) and 4: the resumed run rebuilds the pruned shapes.
     return {
@@ -459,6 +465,12 @@ SETTINGS: tuple[Setting, ...] = (
     # their fp32 running statistics), the units' inputs left to autocast; DDP under bf16-mixed is its twin (stage 1's
     # bf16 replicas compute differently). DeepSpeed's bf16 on the same CNN: the batch norms' statistics in bf16, its
     # forward under autocast.
+    # What the module's weights are written by between steps under bf16 replicas: pruning masks (they become the
+    # masters at the next step) and Lightning's EMA of the fp32 masters; both in the checkpoint, resumed exactly.
+    Setting(name="prune_zero2_mixed_cnn", model=_tiny_cnn, data=_tiny_fashion,
+            trainer_kwargs=lambda: {**_prune_ddp_cnn(), **_zero(2)(), "precision": "bf16-mixed"}),
+    Setting(name="ema_zero2_mixed_gpt", model=_tiny_gpt_dropout, data=_tiny_shakespeare,
+            trainer_kwargs=lambda: {**_zero(2)(), "precision": "bf16-mixed", "callbacks": [_ema()]}),
     Setting(name="zero3_mixed_cnn", model=_tiny_cnn, data=_tiny_fashion,
             trainer_kwargs=lambda: {**_zero(3)(), "precision": "bf16-mixed"}, replicated_twin=lambda: "ddp"),
     Setting(name="ds_zero2_mixed_cnn", model=_tiny_cnn, data=_tiny_fashion,
