@@ -149,7 +149,7 @@ def test_a_stopped_ray_driver_stops_its_trials_fit_and_leaves_it_to_adopt(tmp_pa
 
     from lightning_bigtrain.tune.tuner import _TrialLock
 
-    path, cmd, driver, ckpt = start_slow_study(tmp_path, "--backend", "ray")
+    path, _cmd, driver, ckpt = start_slow_study(tmp_path, "--backend", "ray")
     pgid = json.loads((ckpt.parent.parent / "owner.json").read_text())["pgid"]
     driver.send_signal(signal.SIGTERM)
     out = driver.communicate(timeout=180)[0]
@@ -166,9 +166,6 @@ def test_a_stopped_ray_driver_stops_its_trials_fit_and_leaves_it_to_adopt(tmp_pa
     (trial,) = Tuner.from_yaml(path).study.get_trials()
     assert trial.state == optuna.trial.TrialState.RUNNING
     lock = _TrialLock(ckpt.parent.parent)
-    assert lock.acquire()
+    assert lock.acquire()  # free: the next driver adopts the trial (as in test_killed_study_continues_on_ray)
     lock.release()
-    run = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0 and "adopting trial 0" in run.stdout, run.stdout[-2000:] + run.stderr[-3000:]
-    (trial,) = Tuner.from_yaml(path).study.get_trials()
-    assert trial.state == optuna.trial.TrialState.COMPLETE and trial.user_attrs["bigtrain:launches"] == 2
+    assert ckpt.exists()  # from the checkpoint its fit wrote
