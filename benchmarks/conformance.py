@@ -336,6 +336,19 @@ def _zero2_bf16_mixed(family: Family) -> dict[str, Any]:
             "callbacks": [_ParamDtypes()]}  # fmt: skip
 
 
+def _ema_zero2_bf16_mixed(family: Family) -> dict[str, Any]:
+    """Lightning's ``EMAWeightAveraging`` under ZeRO-2 in ``bf16-mixed``: the average is of the fp32 masters."""
+    from lightning.pytorch.callbacks import EMAWeightAveraging
+
+    from lightning_bigtrain.strategies import ZeroStrategy
+
+    return {"strategy": ZeroStrategy(stage=2, min_wrap_params=10_000), "precision": "bf16-mixed",
+            "callbacks": [EMAWeightAveraging(decay=_EMA_DECAY), _MastersEMA(_EMA_DECAY)]}  # fmt: skip
+
+
+_EMA_DECAY = 0.7
+
+
 def _zero3_bf16_mixed(family: Family) -> dict[str, Any]:
     """ZeRO-3 under ``precision="bf16-mixed"``: FSDP2 gathers bf16 parameters (normalization layers' in fp32)."""
     from lightning_bigtrain.strategies import ZeroStrategy
@@ -476,6 +489,11 @@ CELLS: dict[str, Cell] = {
             _zero2_bf16_mixed,
             "bf16 replicas in the step (fp32 masters); optimizer state and gradients per rank <= 0.75 of replicated",
         ),
+        Cell(
+            "ema_zero2_bf16",
+            _ema_zero2_bf16_mixed,
+            "the module ends holding the average in fp32, within 1e-6 of an EMA of the fp32 masters kept by hand",
+        ),
         Cell("zero3_bf16", _zero3_bf16_mixed, "layers compute in bf16; parameters per rank <= 0.75 of replicated"),
         Cell(
             "deepspeed3_bf16",
@@ -544,6 +562,26 @@ class _ParamDtypes(L.Callback):
 
     def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
         self.dtypes.update(str(local_view(p).dtype) for p in pl_module.parameters())
+
+
+class _MastersEMA(L.Callback):
+    """The exponential moving average ``EMAWeightAveraging(decay)`` should hold, kept by hand after each step from
+    the fp32 masters of ZeRO-1/2 (gathered whole; a parameter without one, from itself), in the module's parameter
+    order."""
+
+    def __init__(self, decay: float) -> None:
+        self.decay = decay
+        self.average: list[torch.Tensor] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        flats = trainer.strategy._flat_optimizers()  # type: ignore[attr-defined]
+        masters = {id(p): m for o in flats for p, m in o.whole_masters()}  # collective: every rank
+        now = [masters.get(id(p), p).detach().float() for p in pl_module.parameters()]
+        if not self.average:
+            self.average = [t.clone() for t in now]
+        else:
+            for a, t in zip(self.average, now, strict=True):
+                a.lerp_(t, 1 - self.decay)
 
 
 class _ComputeDtypes(L.Callback):
@@ -873,6 +911,13 @@ def _evidence(cell: str, trainer: L.Trainer, module: nn.Module, numel: int, stat
         seen = next(c for c in trainer.callbacks if isinstance(c, _ParamDtypes))  # type: ignore[attr-defined]
         ev["param_dtypes_in_step"] = sorted(seen.dtypes)
         ev["acted"] = ev["acted"] and "torch.bfloat16" in seen.dtypes
+    if cell == "ema_zero2_bf16":
+        ema = next(c for c in trainer.callbacks if isinstance(c, _MastersEMA))  # type: ignore[attr-defined]
+        held = [local_view(p).detach() for p in module.parameters()]
+        ev["param_dtypes"] = sorted({str(p.dtype) for p in held})
+        ev["ema_gap"] = max(((p.float() - a).abs().max().item() for p, a in zip(held, ema.average, strict=True)),
+                            default=float("inf"))  # fmt: skip
+        ev["acted"] = bool(ema.average) and ev["param_dtypes"] == ["torch.float32"] and ev["ema_gap"] <= 1e-6
     if cell in ("zero3_bf16", "deepspeed3_bf16"):
         seen = next(c for c in trainer.callbacks if isinstance(c, _ComputeDtypes))  # type: ignore[attr-defined]
         ev["compute_dtypes"] = sorted(seen.dtypes)
