@@ -45,6 +45,8 @@ SUBSET = [
     # torch's check); Llama's bf16-mixed ZeRO-2 (RMSNorm weights in fp32 buckets, the rest in 16-bit replicas).
     ("hf_t5", "zero3_ac"),
     ("hf_llama", "zero2_bf16"),
+    # Lightning's EMA under ZeRO-2 bf16-mixed averages the fp32 masters (GPT-2's tied embedding: one master).
+    ("hf_gpt2", "ema_zero2_bf16"),
     # ZeRO-3 under bf16-mixed: layer norms in bf16 met the fp32 residual stream once autocast cast the inputs
     # (batch norms: tests/strategies/test_zero_integration.py, against DDP).
     ("lightning_demo_transformer", "zero3_bf16"),
