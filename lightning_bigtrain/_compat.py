@@ -58,6 +58,7 @@ __all__ = [
     "run_pending_batch_end",
     "saved_callback_metrics",
     "should_accumulate",
+    "swa_from_fp32_masters",
     "update_plateau_schedulers_at_restored_epoch_end",
     "weight_averaging_callbacks",
 ]
@@ -490,10 +491,47 @@ def average_fp32_masters(callback: Any, engines: Any) -> None:
     keep_average_fp32_across_swaps(callback, gather)
 
 
+def swa_from_fp32_masters(callback: Any, engines: Any) -> None:
+    """Lightning's ``StochasticWeightAveraging`` averages the module's parameters once per epoch into an fp32 copy
+    (``update_parameters``) and copies the average into the module at its end (``transfer_weights``). Where the module
+    holds 16-bit replicas (``ZeroStrategy`` stages 1-2 in mixed precision) it averaged their rounding and its copy
+    into them was rounded again: the module ended holding the bf16 rounding of an average of bf16 values (0.99 of its
+    values bf16-exact, 3e-3 off the average of the masters on the char-GPT), where DDP's holds the fp32 average of
+    fp32 weights. Here the update reads the fp32 masters, gathered whole (a collective; SWA updates at an epoch start,
+    on every rank), and the copy into the module writes the fp32 average into the masters too
+    (``FlatShardedOptimizer.write_whole_``). ``engines()`` lists the flat optimizers. :func:`restore_average_swap`
+    undoes it."""
+    import torch
+
+    class _Params:
+        def __init__(self, params: list[torch.Tensor]) -> None:
+            self._params = params
+
+        def parameters(self) -> Any:
+            return iter(self._params)
+
+    @torch.no_grad()
+    def update_parameters(average_model: Any, model: Any, n_averaged: Any, avg_fn: Any) -> None:
+        masters = {id(p): m for engine in engines() for p, m in engine.whole_masters()}
+        params = [masters.get(id(p), p) for p in model.parameters()]
+        type(callback).update_parameters(average_model, _Params(params), n_averaged, avg_fn)
+
+    @torch.no_grad()
+    def transfer_weights(source: Any, target: Any) -> None:
+        type(callback).transfer_weights(source, target)
+        values = {id(t): s for s, t in zip(source.parameters(), target.parameters(), strict=False)}
+        for engine in engines():
+            engine.write_whole_(values)
+
+    callback.update_parameters = update_parameters
+    callback.transfer_weights = transfer_weights
+
+
 def restore_average_swap(callback: Any) -> None:
     """Lightning's own ``_swap_models`` for ``callback`` again, and its own updates, copy at the end and save (see
     :func:`keep_average_fp32_across_swaps`, :func:`average_fp32_masters`)."""
-    for name in ("_swap_models", "_copy_average_to_current", "on_save_checkpoint"):
+    for name in ("_swap_models", "_copy_average_to_current", "on_save_checkpoint", "update_parameters",
+                 "transfer_weights"):  # fmt: skip
         callback.__dict__.pop(name, None)
     averaged = getattr(callback, "_average_model", None)
     if averaged is not None:

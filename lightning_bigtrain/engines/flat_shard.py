@@ -691,6 +691,27 @@ class FlatShardedOptimizer(torch.optim.Optimizer):
                 if target is not None:
                     target.copy_(whole[offset : offset + p.numel()].view(target.shape))
 
+    @torch.no_grad()
+    def write_whole_(self, values: dict[int, torch.Tensor]) -> None:
+        """Mixed precision: whole fp32 values for 16-bit parameters (keyed by ``id(p)``; every rank passes the same)
+        become their masters where this rank's slice covers them, and their 16-bit rounding the replicas: what an
+        fp32 copy into the module is under DDP. A copy into the 16-bit parameters alone keeps only the rounding, which
+        the next step (or the end of fit) then adopts as the masters. No communication."""
+        for b in self._buckets:
+            if b.master is None:
+                continue
+            lo = self.rank * b.chunk
+            for p, offset in zip(b.params, b.offsets, strict=True):
+                value = values.get(id(p))
+                if value is None:
+                    continue
+                n = p.numel()
+                whole = value.detach().reshape(-1).to(b.master.device, torch.float32)
+                a, z = max(offset, lo), min(offset + n, lo + b.chunk)
+                if a < z:
+                    b.master[a - lo : z - lo].copy_(whole[a - offset : z - offset])
+                b.flat[offset : offset + n].copy_(whole)
+
     def _masters_to_replicas(self) -> None:
         """The masters, rounded to 16 bits, into this rank's slice of the replicas (all-gathered afterwards)."""
         for b in self._buckets:

@@ -29,6 +29,7 @@ from lightning_bigtrain._compat import (
     average_fp32_masters,
     forward_redirection,
     restore_average_swap,
+    swa_from_fp32_masters,
     weight_averaging_callbacks,
 )
 from lightning_bigtrain._logging import is_logging_step, log_interval
@@ -299,6 +300,7 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         self._swapped_attention: list[str] = []  # the blocks' attention swapped on meta, before the split
         self._trainable: TrainableWatch | None = None  # stages 1-2 fitting: requires_grad as at setup
         self._averaged: list[Any] = []  # Lightning's WeightAveraging callbacks holding an average of the module
+        self._swa: list[Any] = []  # Lightning's StochasticWeightAveraging callbacks
         self._fsdp_comm: CommCounter | None = None
         self._logged_comm_bytes = 0
         self.memory: dict[str, int] = {}
@@ -413,6 +415,7 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
                 "parameters, with the same global or per-layer magnitude criterion), or stage 1 or 2."
             )
         self._averaged = weight_averaging_callbacks(trainer)
+        self._swa = [c for c in getattr(trainer, "callbacks", []) if isinstance(c, StochasticWeightAveraging)]
         if self._averaged and (self.tensor_parallel > 1 or self.pipeline_parallel > 1):
             raise ValueError(
                 f"`{type(self._averaged[0]).__name__}` under `ZeroStrategy(tensor_parallel={self.tensor_parallel}, "
@@ -859,6 +862,8 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
             if param_dtype is not None:
                 for callback in self._averaged:  # it averages the fp32 masters, and the average stays fp32 in swaps
                     average_fp32_masters(callback, self._flat_optimizers)
+                for callback in self._swa:  # the same for Lightning's SWA, and its copy into the module is fp32
+                    swa_from_fp32_masters(callback, self._flat_optimizers)
             plugin = self.precision_plugin
             sixteen = param_dtype == torch.float16 or (engine is not None and self.stage == 2)
             if sixteen and isinstance(plugin, MixedPrecision) and plugin.scaler is not None:
@@ -1347,7 +1352,7 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         self._root_hooks, self._norm_hooks = [], []
         for metric in self._grouped_metrics:
             metric.process_group = None  # the module may be evaluated next under another layout
-        for callback in self._averaged:
+        for callback in [*self._averaged, *self._swa]:
             restore_average_swap(callback)
         self._grouped_metrics = []
         for optimizer in self.optimizers:

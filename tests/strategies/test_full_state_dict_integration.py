@@ -219,6 +219,55 @@ def test_mixed_precision_weight_averaging_resumes_exactly_in_any_layout(tmp_path
                 assert kept and all(torch.equal(a, b) for a, b in zip(kept, loaded, strict=True)), resumed
 
 
+class _ReferenceSWA(L.Callback):
+    """The average ``StochasticWeightAveraging`` should hold, kept by hand at each epoch start (where it updates) from
+    the fp32 masters gathered whole."""
+
+    def __init__(self) -> None:
+        self.average: list[torch.Tensor] = []
+        self.count = 0
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        flats = trainer.strategy._flat_optimizers()  # type: ignore[attr-defined]
+        masters = {id(p): m for o in flats for p, m in o.whole_masters()}
+        now = [masters.get(id(p), p).detach().float().clone() for p in pl_module.parameters()]
+        pairs = zip(self.average, now, strict=True)
+        self.average = [a + (x - a) / (self.count + 1) for a, x in pairs] if self.average else now
+        self.count += 1
+
+
+def _swa_of_masters(rank: int) -> dict[str, Any]:
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 96, (32, 33))
+    torch.manual_seed(1)
+    model = _model()
+    swa, reference = StochasticWeightAveraging(swa_lrs=1e-3, swa_epoch_start=1), _ReferenceSWA()
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=ZeroStrategy(stage=2), precision="bf16-mixed",
+                        max_epochs=4, callbacks=[swa, reference], limit_val_batches=0, **_QUIET)  # fmt: skip
+    trainer.fit(model, DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=8))
+    held = list(model.parameters())
+    return {
+        "dtypes": {p.dtype for p in held},
+        "updates": (int(swa.n_averaged), reference.count),  # type: ignore[arg-type]
+        "gap": max((p - a).abs().max().item() for p, a in zip(held, reference.average, strict=True)),
+        "bf16_share": _bf16_share(model),
+    }
+
+
+def test_stochastic_weight_averaging_in_mixed_precision_averages_the_fp32_masters():
+    """Under stages 1-2 in bf16-mixed, Lightning's SWA averaged the module's bf16 replicas and copied the average into
+    them at the end (rounded again): the module ended holding bf16 values (0.99 of them), 3.3e-4 off the average of
+    the fp32 masters. Now it averages the masters and its copy into the module sets them: the module ends holding
+    the fp32 average of the masters, as DDP's holds the average of its fp32 weights."""
+    for r in run_on_ranks(_swa_of_masters, init_process_group=False):
+        assert r["dtypes"] == {torch.float32}
+        assert r["updates"] == (4, 4)  # an update at each epoch start (swa_epoch_start=1 is the first epoch)
+        assert r["gap"] <= 1e-7, r["gap"]
+        assert r["bf16_share"] < 0.01, r["bf16_share"]
+
+
 def _bf16_share(module: torch.nn.Module) -> float:
     """The share of ``module``'s parameter values that bf16 holds exactly (an fp32 average rounded to bf16: 1)."""
     exact = sum(int((a == a.to(torch.bfloat16).float()).sum()) for a in module.parameters())
