@@ -259,7 +259,7 @@ def shard_like_(copy: nn.Module, reference: nn.Module) -> int:
     Raises:
         ValueError: ``copy`` has a parameter ``reference`` does not (their structures differ).
     """
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, distribute_tensor
 
     ours = dict(reference.named_parameters(remove_duplicate=False))
     made: dict[int, nn.Parameter] = {}
@@ -272,15 +272,24 @@ def shard_like_(copy: nn.Module, reference: nn.Module) -> int:
             continue
         new = made.get(id(param))
         if new is None:
-            local = target.to_local().detach().clone()
-            value = DTensor.from_local(
-                local,
-                target.device_mesh,
-                target.placements,
-                run_check=False,
-                shape=target.shape,
-                stride=target.stride(),
-            )
+            if param.is_meta or param.shape != target.shape:
+                # (a copy of a module built on the meta device: the values are the materialized module's)
+                local = target.to_local().detach().to(param.dtype, copy=True)
+                value = DTensor.from_local(
+                    local,
+                    target.device_mesh,
+                    target.placements,
+                    run_check=False,
+                    shape=target.shape,
+                    stride=target.stride(),
+                )
+            else:
+                # The copy's own values and dtype, cut as the module is (no communication): an fp32 average of a
+                # bf16 module (BF16Precision) stays fp32 (it became bf16, where increments below half a bf16 step
+                # of an average are lost).
+                value = distribute_tensor(
+                    param.detach().to(target.device), target.device_mesh, target.placements, src_data_rank=None
+                )
             new = made[id(param)] = nn.Parameter(value, requires_grad=param.requires_grad)
             count += 1
         owner, _, leaf = name.rpartition(".")

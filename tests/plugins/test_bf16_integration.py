@@ -53,3 +53,53 @@ def test_everything_is_bf16_and_the_kahan_buffers_are_sharded_with_the_optimizer
         sharded = strategy != "ddp"
         assert r["compensation_numel"] == (r["psi"] // 2 if sharded else r["psi"])
     assert results[0]["bytes_per_param"] == pytest.approx(bytes_per_param, rel=0.02)
+
+
+class _EMAOfTheModule(L.Callback):
+    """The EMA ``EMAWeightAveraging(decay)`` should hold of this bf16 module, kept by hand (whole) after each step."""
+
+    def __init__(self, decay: float) -> None:
+        self.decay = decay
+        self.average: list[torch.Tensor] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: object) -> None:
+        now = [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float() for p in pl_module.parameters()]
+        if not self.average:
+            self.average = [t.clone() for t in now]
+        for a, t in zip(self.average, now, strict=True):
+            a.lerp_(t, 1 - self.decay)
+
+
+def _averaged(rank: int, strategy_name: str) -> dict:
+    from lightning.pytorch.callbacks import EMAWeightAveraging
+
+    L.seed_everything(0, verbose=False)
+    model = CharGPT(block_size=32, n_layer=2, n_head=2, n_embd=64, warmup_steps=2)
+    strategy = "ddp" if strategy_name == "ddp" else ZeroStrategy(stage=int(strategy_name[-1]), min_wrap_params=1000)
+    averaging, reference = EMAWeightAveraging(decay=0.5), _EMAOfTheModule(0.5)
+    data = ShakespeareDataModule(block_size=32, batch_size=8, subset=64)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, plugins=[BF16Precision("kahan")],
+                        max_steps=4, val_check_interval=1, limit_val_batches=1, num_sanity_val_steps=0,
+                        enable_checkpointing=False, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[averaging, reference])  # fmt: skip
+    trainer.fit(model, datamodule=data)
+    average = [(a.full_tensor() if hasattr(a, "full_tensor") else a).detach()
+               for a in averaging._average_model.module.parameters()]  # fmt: skip
+    exact = sum(int((a == a.to(torch.bfloat16).float()).sum()) for a in average)
+    return {
+        "dtypes": {a.dtype for a in average},
+        "bf16_share": exact / sum(a.numel() for a in average),
+        "gap": max((a - r).abs().max().item() for a, r in zip(average, reference.average, strict=True)),
+    }
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+def test_weight_averaging_keeps_its_fp32_average_of_the_bf16_module(strategy):
+    """Lightning's EMA of a BF16Precision module: its swap into the module around each validation rounded the whole
+    fp32 average to bf16 (1.0 of its values after 4 validations; an EMA then stops taking increments below half a
+    bf16 step), and at stage 3 the average was made bf16 when it was sharded like the module. Now it stays the
+    fp32 EMA of the module's weights."""
+    for r in run_on_ranks(_averaged, strategy, init_process_group=False):
+        assert r["dtypes"] == {torch.float32}
+        assert r["bf16_share"] < 0.3, r["bf16_share"]  # 0.12 (DDP), 0.06 (stage 3)
+        assert r["gap"] <= 1e-6, r["gap"]

@@ -56,6 +56,7 @@ class BF16Precision(HalfPrecision):
         self.steppers: list[CompensatedStep] = []
         self._seed: int | None = None
         self._restored: dict[str, Any] | None = None
+        self._averaged: list[Any] = []  # Lightning's WeightAveraging callbacks given an fp32-keeping swap
 
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:
@@ -88,7 +89,36 @@ class BF16Precision(HalfPrecision):
             self.steppers.append(CompensatedStep(inner, self.compensation, seed=seed, chunk_numel=self.chunk_numel))
         if self._restored is not None:
             self.load_state_dict(self._restored)
+        self._keep_averages_fp32(model)
         return super().connect(model, optimizers, lr_schedulers)
+
+    def _keep_averages_fp32(self, model: nn.Module) -> None:
+        """Lightning's ``WeightAveraging`` keeps an fp32 average of this bf16 module and swaps it into the module
+        around each validation by copying both ways: the round trip rounded the whole average to bf16 at every
+        validation (all of its values bf16-exact after a few), so the average stopped taking increments below half a
+        bf16 step. Its swap sets the fp32 values aside instead (:func:`~lightning_bigtrain._compat.
+        keep_average_fp32_across_swaps`); undone at teardown."""
+        import lightning as L
+
+        from lightning_bigtrain._compat import keep_average_fp32_across_swaps, weight_averaging_callbacks
+
+        module = next((m for m in model.modules() if isinstance(m, L.LightningModule)), None)
+        trainer = getattr(module, "_trainer", None)
+        if trainer is None:
+            return
+        for callback in weight_averaging_callbacks(trainer):
+            if callback.__dict__.get("_swap_models") is None:  # (a strategy may have given it its own already)
+                keep_average_fp32_across_swaps(callback)
+                self._averaged.append(callback)
+
+    @override
+    def teardown(self) -> None:
+        from lightning_bigtrain._compat import restore_average_swap
+
+        for callback in self._averaged:
+            restore_average_swap(callback)
+        self._averaged = []
+        super().teardown()
 
     def _shared_seed(self) -> int:
         """Rank 0's seed, so data-parallel replicas round their identical updates identically."""
