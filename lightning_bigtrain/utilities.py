@@ -158,6 +158,9 @@ def full_state_dict(trainer: Any) -> dict[str, torch.Tensor]:
         if trainer.is_global_zero:
             torch.save(weights, "model.pt")
 
+    As with ``state_dict()``, an entry the module holds whole on the CPU may be that parameter itself (its values
+    change as training goes on); called inside ``fit`` to keep a snapshot, clone the entries.
+
     Args:
         trainer: The Trainer that ran ``fit`` (or ``validate`` / ``test``) with the module.
 
