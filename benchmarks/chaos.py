@@ -83,6 +83,18 @@ def render(results: dict[str, Any]) -> str:
         planned = results["matrix"].get("rows_planned", len(rows))
         if len(rows) < planned:
             lines.append(f"{len(rows)} of {planned} settings rows measured (the run was stopped before the rest).")
+        by_run: dict[tuple[str, str, str], list[str]] = {}
+        for r in rows:
+            run = r.get("run") or {}
+            key = ((run.get("time") or "")[:10], run.get("commit") or "", run.get("command") or "")
+            by_run.setdefault(key, []).append(r["row"])
+        if len(by_run) > 1:  # rows added later (`--rows ... --merge`): each group's own run
+            groups = []
+            for (date, commit, command), names in by_run.items():
+                which = ", ".join(names) if len(names) <= 4 else f"{len(names)} rows"
+                groups.append(f"{which}: {date or 'date not recorded'}, commit `{commit or 'not recorded'}`, "
+                              f"`{command or 'command not recorded'}`")  # fmt: skip
+            lines.append(f"Rows measured in {len(by_run)} runs: {'; '.join(groups)}.")
         lines.append("")
     if "overhead" in results:
         o = results["overhead"]
@@ -115,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
     parser.add_argument("--render", action="store_true", help="only re-render the README block from the results")
     parser.add_argument("--merge", action="store_true",
-                        help="keep the other part's figures from the existing results file")  # fmt: skip
+                        help="keep the other part's figures from the existing results file (with --rows: the "
+                             "other rows too)")  # fmt: skip
     args = parser.parse_args(argv)
     if args.render:
         render_readme(args.results_dir / "chaos.json")
@@ -130,9 +143,15 @@ def main(argv: list[str] | None = None) -> int:
         rows = args.rows or ([s.name for s in SETTINGS] if not args.quick else ["ddp_cnn", "zero3_gpt"])
         kills = 2 if args.quick else args.kills
 
+        # With --merge and --rows: these rows (re)measured, the other rows of the existing file kept.
+        kept = _previous_rows(args) if args.merge and args.rows else None
+        order = [s.name for s in SETTINGS]
+
         def partial(table: list[dict[str, Any]]) -> None:
+            full = table if kept is None else _merged_rows(kept, table, run, order)
+            planned = len(rows) if kept is None else len(_merged_rows(kept, [{"row": r} for r in rows], run, order))
             payload["matrix"] = {"kills_per_row": kills, "timed_per_row": args.timed, "seed": args.seed,
-                                 "rows": table, "rows_planned": len(rows)}  # fmt: skip
+                                 "rows": full, "rows_planned": planned}  # fmt: skip
             _write(args, payload)
 
         table = matrix(rows, kills, args.seed, 0 if args.quick else args.timed, partial)
@@ -145,6 +164,29 @@ def main(argv: list[str] | None = None) -> int:
         payload["overhead"] = result
     _write(args, payload)
     return 0
+
+
+def _previous_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The existing file's matrix rows, each tagged with the run that measured it (the file's matrix run where the
+    row has none of its own)."""
+    import json
+
+    previous = args.results_dir / "chaos.json"
+    old: dict[str, Any] = json.loads(previous.read_text()) if previous.exists() else {}
+    old_run = (old.get("runs") or {}).get("matrix") or {"command": (old.get("commands") or {}).get("matrix")}
+    return [{**r, "run": r.get("run") or old_run} for r in (old.get("matrix") or {}).get("rows", [])]
+
+
+def _merged_rows(
+    kept: list[dict[str, Any]], table: list[dict[str, Any]], run: dict[str, Any], order: list[str]
+) -> list[dict[str, Any]]:
+    """The rows just measured (each tagged with this run) in place of, or added to, the ``kept`` rows, in the settings
+    table's order."""
+    rows = {r["row"]: r for r in kept}
+    for r in table:
+        rows[r["row"]] = {**r, "run": run}
+    rank = {name: i for i, name in enumerate(order)}
+    return sorted(rows.values(), key=lambda r: rank.get(r["row"], len(rank)))
 
 
 def _write(args: argparse.Namespace, payload: dict[str, Any]) -> None:

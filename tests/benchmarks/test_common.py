@@ -50,3 +50,27 @@ def test_ddp_benchmark_quick_run(tmp_path):
         assert figures[model]["single_samples_per_s"]["median"] > 0
         assert len(figures[model]["ddp2_peak_rss_mib_per_rank"]) == 2
     assert (tmp_path / "ddp.json").exists()
+
+
+def test_chaos_rows_added_later_keep_the_others_and_say_which_run_measured_each(tmp_path):
+    """`python -m benchmarks.chaos --rows NEW --merge`: the new rows in the settings order among the file's others,
+    each row tagged with its run, and the rendered block names both runs."""
+    import argparse
+    import json
+
+    from benchmarks.chaos import _merged_rows, _previous_rows, render
+
+    old_run = {"commit": "aaaaaaa", "command": "python -m benchmarks.chaos", "time": "2026-12-01T00:00:00Z"}
+    old = {"runs": {"matrix": old_run},
+           "matrix": {"rows": [{"row": "a", "identical": True, "kills survived": 4},
+                               {"row": "c", "identical": True, "kills survived": 4}]}}  # fmt: skip
+    (tmp_path / "chaos.json").write_text(json.dumps(old))
+    kept = _previous_rows(argparse.Namespace(results_dir=tmp_path))
+    new_run = {"commit": "bbbbbbb", "command": "python -m benchmarks.chaos --rows b --merge", "time": "2026-12-07"}
+    rows = _merged_rows(kept, [{"row": "b", "identical": False, "kills survived": 3}], new_run, ["a", "b", "c"])
+    assert [r["row"] for r in rows] == ["a", "b", "c"]
+    assert [r["run"]["commit"] for r in rows] == ["aaaaaaa", "bbbbbbb", "aaaaaaa"]
+    text = render({"runs": {"matrix": new_run}, "matrix": {"rows": rows, "rows_planned": 3}})
+    assert "Rows measured in 2 runs: a, c: 2026-12-01, commit `aaaaaaa`" in text
+    assert "b: 2026-12-07, commit `bbbbbbb`, `python -m benchmarks.chaos --rows b --merge`" in text
+    assert "| b |" in text and "**no**" in text
