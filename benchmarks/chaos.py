@@ -73,16 +73,6 @@ def render(results: dict[str, Any]) -> str:
     lines = [_BEGIN, runs_line(results, "chaos.json", parts), ""]
     if "matrix" in results:
         rows = results["matrix"]["rows"]
-        lines += ["| settings row | faults (point@step/rank; timed: seconds after launch) | kills survived | "
-                  "mid-epoch resumes | bit-identical |", "|---|---|---|---|---|"]  # fmt: skip
-        for r in rows:
-            survived = str(r.get("kills survived", 0))
-            same = "yes" if r.get("identical") else "**no**"
-            lines.append(f"| {r['row']} | {r.get('faults', r.get('notes', ''))} | {survived} | "
-                         f"{r.get('mid-epoch resumes', '')} | {same} |")  # fmt: skip
-        planned = results["matrix"].get("rows_planned", len(rows))
-        if len(rows) < planned:
-            lines.append(f"{len(rows)} of {planned} settings rows measured (the run was stopped before the rest).")
         by_run: dict[tuple[str, str, str], list[str]] = {}
         for r in rows:
             run = r.get("run") or {}
@@ -94,7 +84,17 @@ def render(results: dict[str, Any]) -> str:
                 which = ", ".join(names) if len(names) <= 4 else f"{len(names)} rows"
                 groups.append(f"{which}: {date or 'date not recorded'}, commit `{commit or 'not recorded'}`, "
                               f"`{command or 'command not recorded'}`")  # fmt: skip
-            lines.append(f"Rows measured in {len(by_run)} runs: {'; '.join(groups)}.")
+            lines += [f"Rows measured in {len(by_run)} runs: {'; '.join(groups)}.", ""]
+        lines += ["| settings row | faults (point@step/rank; timed: seconds after launch) | kills survived | "
+                  "mid-epoch resumes | bit-identical |", "|---|---|---|---|---|"]  # fmt: skip
+        for r in rows:
+            survived = str(r.get("kills survived", 0))
+            same = "yes" if r.get("identical") else "**no**"
+            lines.append(f"| {r['row']} | {r.get('faults', r.get('notes', ''))} | {survived} | "
+                         f"{r.get('mid-epoch resumes', '')} | {same} |")  # fmt: skip
+        planned = results["matrix"].get("rows_planned", len(rows))
+        if len(rows) < planned:
+            lines.append(f"{len(rows)} of {planned} settings rows measured (the run was stopped before the rest).")
         lines.append("")
     if "overhead" in results:
         o = results["overhead"]
