@@ -1293,12 +1293,19 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
 
         assert self.model is not None
         reader = dcp.FileSystemReader(location)
-        if not any(key.startswith("current_model_state.") for key in reader.read_metadata().state_dict_metadata):
+        metadata = reader.read_metadata().state_dict_metadata
+        if not any(key.startswith("current_model_state.") for key in metadata):
             return checkpoint
-        current = {"current_model_state": _detached_copy(get_model_state_dict(self.model))}
-        dcp.load(current, storage_reader=reader)
-        checkpoint["current_model_state"] = current["current_model_state"]
-        checkpoint["state_dict"] = _detached_copy(get_model_state_dict(self.model))
+        held = get_model_state_dict(self.model)
+        # The average read again into targets of its own in the dtype it was saved in: a bf16 module's (BF16Precision)
+        # fp32 average was taken from the module it had been loaded into, rounded to bf16 (3.9e-3 off).
+        targets = {
+            "current_model_state": _detached_copy(held),
+            "state_dict": {k: _as_saved(v, metadata.get(f"state_dict.{k}")) for k, v in _detached_copy(held).items()},
+        }
+        dcp.load(targets, storage_reader=reader)
+        checkpoint["current_model_state"] = targets["current_model_state"]
+        checkpoint["state_dict"] = targets["state_dict"]
         return checkpoint
 
     def _load_converted(self, location: str, kind: str) -> dict[str, Any]:
@@ -1361,7 +1368,7 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
                 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
                 held = get_model_state_dict(self.model)
-                checkpoint["state_dict"] = _laid_out_like(average, held)
+                checkpoint["state_dict"] = _laid_out_like(average, held, keep_dtype=True)  # (fp32 of a bf16 module)
                 checkpoint["current_model_state"] = _laid_out_like(weights, held)
         return checkpoint
 
@@ -1644,9 +1651,9 @@ def _as_saved(target: Any, saved: Any) -> Any:
     dtype = getattr(getattr(saved, "properties", None), "dtype", None)
     if not isinstance(target, torch.Tensor) or target.dtype not in (torch.bfloat16, torch.float16) or dtype is None:
         return target
-    if dtype.itemsize <= target.dtype.itemsize or type(target) is not torch.Tensor:
+    if dtype.itemsize <= target.dtype.itemsize:
         return target
-    return torch.empty_like(target, dtype=dtype)
+    return torch.empty_like(target, dtype=dtype)  # (a DTensor target: a DTensor laid out as it is)
 
 
 def _detached_copy(state: dict[str, Any]) -> dict[str, Any]:
@@ -1654,16 +1661,16 @@ def _detached_copy(state: dict[str, Any]) -> dict[str, Any]:
     return {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
 
 
-def _laid_out_like(whole: dict[str, Any], template: dict[str, Any]) -> dict[str, Any]:
+def _laid_out_like(whole: dict[str, Any], template: dict[str, Any], keep_dtype: bool = False) -> dict[str, Any]:
     """Whole tensors (every rank holds them) cut as ``template``'s DTensors are: this rank's part of each, no
-    communication; other entries as they are."""
+    communication, in the template's dtype (``keep_dtype``: their own); other entries as they are."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     out = dict(whole)
     for key, value in whole.items():
         like = template.get(key)
         if isinstance(like, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
-            value = value.to(device=like.device, dtype=like.dtype)
+            value = value.to(device=like.device, dtype=value.dtype if keep_dtype else like.dtype)
             out[key] = distribute_tensor(value, like.device_mesh, like.placements, src_data_rank=None)
     return out
 

@@ -103,3 +103,43 @@ def test_weight_averaging_keeps_its_fp32_average_of_the_bf16_module(strategy):
         assert r["dtypes"] == {torch.float32}
         assert r["bf16_share"] < 0.3, r["bf16_share"]  # 0.12 (DDP), 0.06 (stage 3)
         assert r["gap"] <= 1e-6, r["gap"]
+
+
+def _averaged_resumes(rank: int, folder: str, pairs: list[tuple[int, int]]) -> dict:
+    """EMAWeightAveraging of a BF16Precision module, saved at step 2 under one ZeRO stage and resumed under another:
+    what the resumed run starts from against what was saved."""
+    import os
+
+    from lightning.pytorch.callbacks import EMAWeightAveraging
+
+    from tests.strategies.test_full_state_dict_integration import _HeldAtStart, _SaveAt
+
+    def fit(stage: int, callbacks: list, ckpt_path: str | None = None) -> None:
+        L.seed_everything(0, verbose=False)
+        model = CharGPT(block_size=32, n_layer=2, n_head=2, n_embd=64, warmup_steps=2)
+        trainer = L.Trainer(accelerator="cpu", devices=2, strategy=ZeroStrategy(stage=stage, min_wrap_params=1000),
+                            plugins=[BF16Precision("kahan")], max_steps=3, limit_val_batches=0,
+                            enable_checkpointing=False, logger=False, enable_progress_bar=False,
+                            enable_model_summary=False, callbacks=callbacks)  # fmt: skip
+        trainer.fit(model, datamodule=ShakespeareDataModule(block_size=32, batch_size=8, subset=64),
+                    ckpt_path=ckpt_path)  # fmt: skip
+
+    out = {}
+    for first, second in pairs:
+        name = f"{first}-{second}"
+        averaging = EMAWeightAveraging(decay=0.5)
+        saved = _HeldAtStart(averaging)
+        fit(first, [averaging, _SaveAt(2, folder, name), saved])
+        averaging = EMAWeightAveraging(decay=0.5)
+        start = _HeldAtStart(averaging)
+        fit(second, [averaging, start], ckpt_path=os.path.join(folder, name))
+        out[name] = [max((a - b).abs().max().item() for a, b in zip(x, y, strict=True))
+                     for x, y in ((saved.weights, start.weights), (saved.average, start.average))]  # fmt: skip
+    return out
+
+
+def test_weight_averaging_of_a_bf16_module_resumes_its_fp32_average(tmp_path):
+    """Resumed at stage 3 (from stage 3, or converted from stage 1), the fp32 average was read through the bf16
+    module it had been loaded into (rounded: 3.9e-3 off what was saved). Now the resumed run starts from it exactly."""
+    for r in run_on_ranks(_averaged_resumes, str(tmp_path), [(3, 3), (1, 3)], init_process_group=False):
+        assert r == {"3-3": [0.0, 0.0], "1-3": [0.0, 0.0]}, r
