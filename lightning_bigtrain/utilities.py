@@ -38,7 +38,9 @@ def grad_norm(module: nn.Module, norm_type: float | int | str, group_separator: 
     Every rank gets every key; under pipeline parallelism also the other stages' parameters (pass the
     ``LightningModule``, whose trainer names the pipeline group). Under DeepSpeed with ``accumulate_grad_batches``
     Lightning calls ``on_before_optimizer_step`` on every micro-batch, and only the last has averaged gradients: the
-    others get an empty dict (DDP calls the hook on the last only).
+    others get an empty dict (DDP calls the hook on the last only). After 1-bit Adam's warm-up
+    (``CompressedDDPStrategy(OneBitAdam())``) no gradient is averaged: the norms are this rank's local ones (said
+    once in a warning).
 
     Args:
         module: The ``LightningModule`` (or a submodule of it) whose parameters' gradients to measure.
@@ -60,6 +62,7 @@ def grad_norm(module: nn.Module, norm_type: float | int | str, group_separator: 
     engine = getattr(_strategy(module), "deepspeed_engine", None)
     if engine is not None and not engine.is_gradient_accumulation_boundary():
         return {}  # Lightning calls the hook on every micro-batch under DeepSpeed: nothing is averaged before the last
+    _warn_if_local_gradients(module)
     names: list[str] = []
     parts: list[_Part] = []
     for name, p in module.named_parameters():
@@ -112,6 +115,25 @@ def _unscaled(grad: torch.Tensor, optimizer: Any) -> torch.Tensor:
     """DeepSpeed's partitions before its step still carry fp16's loss scale (1 in fp32 and bf16)."""
     scale = float(getattr(optimizer, "loss_scale", 1.0) or 1.0)
     return grad if scale == 1.0 else grad.float() / scale
+
+
+def _warn_if_local_gradients(module: nn.Module) -> None:
+    """After 1-bit Adam's warm-up (``CompressedDDPStrategy(OneBitAdam())``) no gradient is averaged: each rank's
+    optimizer steps on its own gradient and exchanges compressed momentum. The norms are then this rank's, not of
+    the averaged gradient DDP would hold (that exists nowhere), and ranks log different numbers: said once."""
+    from lightning_bigtrain.engines.onebit_adam import CompressedMomentumAdam
+    from lightning_bigtrain.warnings import warn_once
+
+    for optimizer in getattr(_strategy(module), "optimizers", None) or []:
+        inner = getattr(optimizer, "_optimizer", optimizer)
+        if isinstance(inner, CompressedMomentumAdam) and inner.compressing:
+            warn_once(
+                "`grad_norm` after 1-bit Adam's warm-up (`CompressedDDPStrategy(OneBitAdam())`): no gradient is "
+                "averaged in this phase (each rank steps on its own gradient and exchanges compressed momentum), so "
+                "these are this rank's local gradient norms, not those of an averaged gradient; each rank's differ. "
+                "Log them with `sync_dist=True` for their mean over the ranks."
+            )
+            return
 
 
 def _strategy(module: nn.Module) -> Any:

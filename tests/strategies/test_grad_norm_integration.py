@@ -175,3 +175,42 @@ def test_a_modules_own_clipping_is_pointed_out_where_its_gradients_are_parts():
     assert said(Ours(), absent=True) == []
     message = said(Manual(), absent=False)[0]
     assert "`Manual.training_step` uses Lightning's `grad_norm`" in message and "self.clip_gradients(" in message
+
+
+class _AdamNet(_Net):
+    def __init__(self) -> None:
+        super().__init__(ours=True)
+        self.phases: list[bool] = []
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        self.phases.append(bool(getattr(self.trainer.optimizers[0], "compressing", False)))
+        super().on_before_optimizer_step(optimizer)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam([p for p in self.parameters() if p.requires_grad], lr=0.01)
+
+
+def _onebit(rank: int) -> dict[str, Any]:
+    from lightning_bigtrain import warnings as bigtrain_warnings
+    from lightning_bigtrain.compression import OneBitAdam
+    from lightning_bigtrain.strategies import CompressedDDPStrategy
+
+    model = _AdamNet()
+    kwargs = {**_QUIET, "max_steps": 3, "accumulate_grad_batches": 1}
+    trainer = L.Trainer(strategy=CompressedDDPStrategy(OneBitAdam(warmup_steps=2)), **kwargs)
+    bigtrain_warnings._seen.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, _data(rank))
+    said = [str(w.message) for w in caught if "1-bit Adam's warm-up" in str(w.message)]
+    return {"phases": model.phases, "said": said, "norms": len(model.norms)}
+
+
+def test_grad_norm_after_one_bit_adams_warm_up_says_the_norms_are_local():
+    """After the warm-up no gradient is averaged (each rank steps on its own and exchanges compressed momentum): the
+    norms are the rank's local ones, and ranks log different numbers. It said nothing; now it says so, once, on rank
+    0 (the warm-up's steps, with averaged gradients, stay silent)."""
+    ranks = run_on_ranks(_onebit, init_process_group=False)
+    for rank, r in enumerate(ranks):
+        assert r["phases"] == [False, False, True] and r["norms"] == 3
+        assert len(r["said"]) == (1 if rank == 0 else 0), r["said"]
