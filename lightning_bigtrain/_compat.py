@@ -422,6 +422,20 @@ def keep_average_fp32_across_swaps(callback: Any, gather: Any = None) -> None:
     callback._swap_models = swap
 
 
+class _StandIn:
+    """What an averaging callback's update reads as the model: ``parameters()`` (the fp32 masters' values where the
+    module holds 16-bit replicas) and ``buffers()``."""
+
+    def __init__(self, params: list[Any], buffers: list[Any] | None = None) -> None:
+        self._params, self._buffers = params, buffers or []
+
+    def parameters(self) -> Any:
+        return iter(self._params)
+
+    def buffers(self) -> Any:
+        return iter(self._buffers)
+
+
 def average_fp32_masters(callback: Any, engines: Any) -> None:
     """Lightning's ``WeightAveraging`` updates its fp32 average from the module's parameters (``AveragedModel``'s
     ``update_parameters(pl_module)``). Where those are 16-bit replicas (``ZeroStrategy`` stages 1-2 in mixed precision)
@@ -446,18 +460,6 @@ def average_fp32_masters(callback: Any, engines: Any) -> None:
         for engine in engines():
             engine.gather_parts_(targets)
 
-    class _Masters:
-        """What ``update_parameters`` reads as the model: the masters' values where this rank holds them."""
-
-        def __init__(self, params: list[torch.Tensor], buffers: list[torch.Tensor]) -> None:
-            self._params, self._buffers = params, buffers
-
-        def parameters(self) -> Any:
-            return iter(self._params)
-
-        def buffers(self) -> Any:
-            return iter(self._buffers)
-
     @torch.no_grad()
     def update_parameters(model: Any) -> None:
         pairs = paired(model)
@@ -475,7 +477,7 @@ def average_fp32_masters(callback: Any, engines: Any) -> None:
                     source[id(p)] = average.detach().clone()
                     source[id(p)].view(-1)[start:stop].copy_(master)
         params = [source.get(id(p), p) for p in model.parameters()]
-        type(averaged).update_parameters(averaged, _Masters(params, list(model.buffers())))
+        type(averaged).update_parameters(averaged, _StandIn(params, list(model.buffers())))
 
     def copy_average_to_current(pl_module: Any) -> None:
         gather(pl_module)
@@ -503,18 +505,11 @@ def swa_from_fp32_masters(callback: Any, engines: Any) -> None:
     undoes it."""
     import torch
 
-    class _Params:
-        def __init__(self, params: list[torch.Tensor]) -> None:
-            self._params = params
-
-        def parameters(self) -> Any:
-            return iter(self._params)
-
     @torch.no_grad()
     def update_parameters(average_model: Any, model: Any, n_averaged: Any, avg_fn: Any) -> None:
         masters = {id(p): m for engine in engines() for p, m in engine.whole_masters()}
         params = [masters.get(id(p), p) for p in model.parameters()]
-        type(callback).update_parameters(average_model, _Params(params), n_averaged, avg_fn)
+        type(callback).update_parameters(average_model, _StandIn(params), n_averaged, avg_fn)
 
     @torch.no_grad()
     def transfer_weights(source: Any, target: Any) -> None:

@@ -1007,7 +1007,7 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
             return
         for name, param in module.named_parameters(remove_duplicate=False):
             if id(param) in masters and name in state:
-                state[name] = masters[id(param)].detach().clone()
+                state[name] = masters[id(param)]  # (views into buffers gathered for this save alone)
 
     def _preempting(self) -> bool:
         return self._preemption is not None and self._preemption.received is not None
@@ -1296,16 +1296,16 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         metadata = reader.read_metadata().state_dict_metadata
         if not any(key.startswith("current_model_state.") for key in metadata):
             return checkpoint
-        held = get_model_state_dict(self.model)
-        # The average read again into targets of its own in the dtype it was saved in: a bf16 module's (BF16Precision)
-        # fp32 average was taken from the module it had been loaded into, rounded to bf16 (3.9e-3 off).
-        targets = {
-            "current_model_state": _detached_copy(held),
-            "state_dict": {k: _as_saved(v, metadata.get(f"state_dict.{k}")) for k, v in _detached_copy(held).items()},
-        }
+        held = _detached_copy(get_model_state_dict(self.model))  # the average, as loaded into the module
+        targets = {"current_model_state": _detached_copy(held)}
+        wider = {k: _as_saved(v, metadata.get(f"state_dict.{k}")) for k, v in held.items()}
+        if any(wider[k] is not v for k, v in held.items()):
+            # Saved wider than the module (a bf16 module's fp32 average, BF16Precision): read again into targets of
+            # its saved dtype; taken from the module it was rounded to bf16 (3.9e-3 off).
+            targets["state_dict"] = wider
         dcp.load(targets, storage_reader=reader)
         checkpoint["current_model_state"] = targets["current_model_state"]
-        checkpoint["state_dict"] = targets["state_dict"]
+        checkpoint["state_dict"] = targets.get("state_dict", held)
         return checkpoint
 
     def _load_converted(self, location: str, kind: str) -> dict[str, Any]:
