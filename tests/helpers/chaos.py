@@ -260,7 +260,9 @@ def _launch(
     # PYTHONFAULTHANDLER: a job that aborts (SIGABRT, e.g. at interpreter exit) dumps every Python thread to its log.
     env.update(PYTHONPATH=str(_REPO), PYTHONWARNINGS="ignore", PYTHONFAULTHANDLER="1")
     if nodes > 1:  # the job is a launcher of one process per node (see `_nodes`), meeting at a free local port
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(nodes * devices))
+        from tests.helpers.distributed import free_port
+
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(nodes * devices))
         cmd += ["--nodes", str(nodes)]
     with open(workdir / f"log-{launch_id}.txt", "w") as log:
         proc = subprocess.Popen(cmd, cwd=_REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -300,14 +302,6 @@ def _nodes(argv: list[str], nodes: int, out: str, launch_id: str) -> int:
         if all(c == 0 for c in codes):
             return 0
         time.sleep(0.2)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def schedule(

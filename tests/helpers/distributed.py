@@ -30,10 +30,50 @@ import torch.distributed as dist
 __all__ = ["free_port", "run_on_ranks"]
 
 
-def free_port() -> int:
+_PORT_BLOCK = 500  # ports per test process
+_next_port: int | None = None
+
+
+def _ephemeral_start() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def _bindable(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def free_port() -> int:
+    """A free local port for a rendezvous, from a block of its own for this test process.
+
+    A port the kernel hands out for ``bind(0)`` comes from the ephemeral range, from which it also picks the local
+    port of every outgoing connection: between choosing such a port and the rendezvous server binding it, another
+    test process's gloo connection could take it (``EADDRINUSE``). The ports here lie below the ephemeral range,
+    where only explicit binds land, in a block per pytest-xdist worker (per process id outside xdist)."""
+    global _next_port
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    index = int(worker[2:]) if worker.startswith("gw") and worker[2:].isdigit() else 16 + os.getpid() % 8
+    low = _ephemeral_start() - (index + 1) * _PORT_BLOCK
+    if low < 10000:  # an unusual ephemeral range: leave the choice to the kernel
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            return int(s.getsockname()[1])
+    if _next_port is None:
+        _next_port = os.getpid() % _PORT_BLOCK
+    for _ in range(_PORT_BLOCK):
+        port = low + _next_port
+        _next_port = (_next_port + 1) % _PORT_BLOCK
+        if _bindable(port):
+            return port
+    raise RuntimeError(f"no free port in {low}..{low + _PORT_BLOCK - 1}")
 
 
 def _run_task(rank: int, world_size: int, task: bytes) -> tuple[str, Any]:
