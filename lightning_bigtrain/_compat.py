@@ -11,6 +11,8 @@ the newest release in it.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from lightning.fabric.strategies import _StrategyRegistry
@@ -45,11 +47,16 @@ __all__ = [
     "_update_dataloader",
     "average_fp32_masters",
     "combined_mode",
+    "csv_writer_keeping_files",
     "drop_fit_dataloaders",
     "epoch_results",
     "fit_combined_loader",
     "forward_redirection",
     "keep_average_fp32_across_swaps",
+    "logger_filesystem",
+    "logger_version",
+    "logger_writer_created",
+    "logging_step",
     "metrics_reset_after_this_hook",
     "restore_average_swap",
     "restore_callback_metrics",
@@ -57,6 +64,7 @@ __all__ = [
     "rewrap_ddp",
     "run_pending_batch_end",
     "saved_callback_metrics",
+    "set_logger_version",
     "should_accumulate",
     "swa_from_fp32_masters",
     "update_plateau_schedulers_at_restored_epoch_end",
@@ -531,3 +539,43 @@ def restore_average_swap(callback: Any) -> None:
     averaged = getattr(callback, "_average_model", None)
     if averaged is not None:
         averaged.__dict__.pop("update_parameters", None)
+
+
+def logging_step(trainer: Any) -> int:
+    """The step Lightning's logger calls carry (``_batches_that_stepped``; at ``on_train_start`` of a resumed fit, the
+    checkpoint's, before the restart's own increment)."""
+    return int(trainer.fit_loop.epoch_loop._batches_that_stepped)
+
+
+def logger_version(logger: Any) -> int | str | None:
+    """A ``TensorBoardLogger``'s / ``CSVLogger``'s version as given or chosen so far (None: not yet chosen; reading
+    ``logger.version`` would choose the next free one)."""
+    return logger._version
+
+
+def set_logger_version(logger: Any, version: int) -> None:
+    logger._version = version
+
+
+def logger_writer_created(logger: Any) -> bool:
+    """Whether the logger has created its writer (``logger.experiment``) yet."""
+    return logger._experiment is not None
+
+
+def logger_filesystem(logger: Any) -> Any:
+    """A ``CSVLogger``'s fsspec filesystem."""
+    return logger._fs
+
+
+@contextlib.contextmanager
+def csv_writer_keeping_files() -> Iterator[None]:
+    """While open, a ``CSVLogger`` creating its writer in a folder that holds a ``metrics.csv`` keeps the file
+    (Lightning's writer deletes it, with a warning that it will)."""
+    from lightning.fabric.loggers.csv_logs import _ExperimentWriter
+
+    original = _ExperimentWriter._check_log_dir_exists
+    _ExperimentWriter._check_log_dir_exists = lambda self: None  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        _ExperimentWriter._check_log_dir_exists = original  # type: ignore[method-assign]

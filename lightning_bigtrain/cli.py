@@ -74,8 +74,9 @@ class BigtrainCLI(LightningCLI):
             "--resume",
             choices=["auto", "never"],
             default="never",
-            help="auto: continue from the newest committed checkpoint in the ModelCheckpoint folder (set its "
-            "dirpath: a logger's new version folder per launch would hold none), or start fresh if there is none.",
+            help="auto: continue from the newest committed checkpoint in the ModelCheckpoint folder (without a "
+            "dirpath: the newest version folder of the logger that holds one, whose logs the run continues), or "
+            "start fresh if there is none.",
         )
 
     @override
@@ -98,15 +99,35 @@ class BigtrainCLI(LightningCLI):
 
 def resume_path(trainer: Any) -> str | None:
     """What ``--resume auto`` resumes from: the newest committed ``last*.ckpt`` (or, without one, the newest
-    committed checkpoint) in the ModelCheckpoint folder; ``"last"`` (Lightning's own lookup, which starts fresh
-    with a warning when there is nothing) when the folder is only known once the run starts."""
+    committed checkpoint) in the ModelCheckpoint folder. Without a ``dirpath`` that folder is the first logger's
+    version folder (``TensorBoardLogger``/``CSVLogger``): the newest version folder holding a committed checkpoint,
+    whose version the loggers then continue; ``"last"`` (Lightning's own lookup, which starts fresh with a warning
+    when there is nothing) when the folder is only known once the run starts. When it resumes, a ``CSVLogger``
+    continuing its folder keeps the log of the run it continues (see :mod:`lightning_bigtrain._resume_logs`)."""
+    from lightning_bigtrain._resume_logs import keep_csv_history, newest_run_checkpoint
     from lightning_bigtrain.checkpointing import latest_checkpoint
 
     callback = trainer.checkpoint_callback
     dirpath = getattr(callback, "dirpath", None)
-    if dirpath is None:
-        return "last"
-    return latest_checkpoint(dirpath, prefer_prefix="last") or None
+    if dirpath is not None:
+        path = latest_checkpoint(dirpath, prefer_prefix="last") or None
+    else:
+        known, path = newest_run_checkpoint(trainer) if callback is not None else (False, None)
+        if not known:
+            return "last"
+    if path is not None and _fault_tolerant(trainer):
+        keep_csv_history(trainer)
+    return path
+
+
+def _fault_tolerant(trainer: Any) -> bool:
+    """Whether the fit continues the logs it resumes (this package's strategies, or ``FaultTolerance``)."""
+    from lightning_bigtrain.callbacks import FaultTolerance
+    from lightning_bigtrain.strategies._fault import FaultTolerantStrategyMixin
+
+    return isinstance(trainer.strategy, FaultTolerantStrategyMixin) or any(
+        isinstance(cb, FaultTolerance) for cb in trainer.callbacks
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -47,6 +47,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture
+def in_process_fit():
+    """For fits run in the test process (one rank): its process group, environment (MASTER_PORT, which later
+    subprocess launches would inherit and find taken) and deterministic flag are put back afterwards."""
+    env, deterministic = dict(os.environ), torch.are_deterministic_algorithms_enabled()
+    yield
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(env)
+    torch.use_deterministic_algorithms(deterministic)
+
+
+@pytest.fixture
 def fashion_subset():
     """Fashion-MNIST with 1024 samples per split, batch 32 (real data, set up by `make data`)."""
     from lightning_bigtrain.data import FashionMNISTDataModule

@@ -49,7 +49,8 @@ def test_a_validation_due_after_a_step_checkpoint_runs_again_after_the_kill(tmp_
     inside step 9: each relaunch resumes from a checkpoint written before the validation due after it (steps 2 and
     8), and runs that validation first. Lightning alone resumed past them (the validations of the relaunches were
     [5, 8] and [], the plateau step or early-stopping count they feed lost); the run ends bit-identical."""
-    result = run_chaos("zero1_gpt", tmp_path, faults=[("save_after_commit", 4, 0), ("step", 8, 1)], val_every=2)
+    result = run_chaos("zero1_gpt", tmp_path, faults=[("save_after_commit", 4, 0), ("step", 8, 1)], val_every=2,
+                       csv_log=True)  # fmt: skip
     assert result.kills_survived == 2 and not result.notes, result.notes
     assert result.resumed_from == [0, 2, 8], result.resumed_from
 
@@ -60,6 +61,9 @@ def test_a_validation_due_after_a_step_checkpoint_runs_again_after_the_kill(tmp_
     assert validations(tmp_path / "reference", "ref") == [2, 5, 8]
     assert [validations(tmp_path / "chaos", str(i)) for i in range(3)] == [[2], [2, 5, 8], [8]]
     assert result.identical, f"max |difference| {result.max_abs_diff}"
+    # Every launch logs to the same version folder; the rows logged after each kill's checkpoint (the training
+    # steps, and the validation at step 8 the relaunch runs again) are the relaunch's: the log is the reference's.
+    assert result.logs_identical
 
 
 def test_a_job_of_two_nodes_is_killed_whole_by_a_fault_on_the_second_node(tmp_path):

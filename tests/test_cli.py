@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import lightning as L
 import pytest
 import yaml
 
@@ -222,3 +223,111 @@ def test_resume_auto_picks_the_newest_committed_last_checkpoint(tmp_path):
     (tmp_path / "last.ckpt").write_bytes(b"")  # damaged: skipped
     assert resume_path(trainer(tmp_path)) == str(tmp_path / "epoch=1-step=6.ckpt")
     assert torch.load(resume_path(trainer(tmp_path)))["step"] == 6
+
+
+def test_resume_auto_without_a_dirpath_finds_the_newest_version_holding_a_checkpoint(tmp_path):
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+    from lightning_bigtrain.checkpointing import AtomicCheckpointIO
+    from lightning_bigtrain.cli import resume_path
+
+    def trainer(*loggers):
+        return L.Trainer(logger=list(loggers), callbacks=[ModelCheckpoint()], accelerator="cpu")
+
+    csv, tb = tmp_path / "csv" / "lightning_logs", tmp_path / "tb" / "lightning_logs"
+    first = trainer(CSVLogger(tmp_path / "csv"))
+    assert resume_path(first) is None and first.loggers[0]._version is None  # no version folder: a fresh start
+    io = AtomicCheckpointIO()
+    io.save_checkpoint({"step": 4}, str(csv / "version_0" / "checkpoints" / "last.ckpt"))
+    io.save_checkpoint({"step": 2}, str(csv / "version_1" / "checkpoints" / "last.ckpt"))
+    (csv / "version_2" / "checkpoints").mkdir(parents=True)  # a launch killed before its first checkpoint
+    (csv / "version_3").mkdir()
+    for version in range(4):
+        (tb / f"version_{version}").mkdir(parents=True)
+    resumed = trainer(CSVLogger(tmp_path / "csv"), TensorBoardLogger(tmp_path / "tb"))
+    assert resume_path(resumed) == str(csv / "version_1" / "checkpoints" / "last.ckpt")
+    assert [logger.version for logger in resumed.loggers] == [1, 1]  # both continue the launch's folders
+    fixed = trainer(CSVLogger(tmp_path / "csv", version=0))
+    assert resume_path(fixed) == str(csv / "version_0" / "checkpoints" / "last.ckpt")
+    assert resume_path(trainer(TensorBoardLogger(tmp_path / "tb"))) is None  # its version folders hold none
+
+
+_RESUMABLE = """
+seed_everything: 0
+trainer:
+  accelerator: cpu
+  devices: 1
+  strategy:
+    class_path: lightning_bigtrain.strategies.ZeroStrategy
+    init_args:
+      stage: 1
+  max_steps: 8
+  log_every_n_steps: 1
+  limit_val_batches: 0
+  enable_progress_bar: false
+  enable_model_summary: false
+  logger:
+    class_path: lightning.pytorch.loggers.CSVLogger
+    init_args:
+      save_dir: {root}
+      flush_logs_every_n_steps: 1
+  callbacks:
+    - class_path: lightning.pytorch.callbacks.ModelCheckpoint
+      init_args:
+        every_n_train_steps: 2
+        save_last: true
+model:
+  class_path: lightning_bigtrain.models.FashionCNN
+  init_args:
+    channels: [4, 8]
+data:
+  class_path: lightning_bigtrain.data.FashionMNISTDataModule
+  init_args:
+    batch_size: 16
+    subset: 96
+"""
+
+
+class _Killed(Exception):
+    pass
+
+
+class KillAt(L.Callback):
+    """Kills the fit (raises) at the start of the batch of optimizer step ``step``."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: object) -> None:
+        if trainer.global_step == self.step:
+            raise _Killed
+
+
+@pytest.mark.usefixtures("in_process_fit")
+def test_resume_auto_without_a_checkpoint_folder_continues_the_newest_version_and_its_log(tmp_path, capsys):
+    """The defaults: ModelCheckpoint without a dirpath keeps its checkpoints in the logger's version folder, which
+    Lightning makes new at every launch. `--resume auto` finds the newest version holding a checkpoint, continues
+    it (no version_1), and its metrics.csv ends as the uninterrupted run's: the rows the stopped run logged after
+    its last checkpoint (step 5 after the one at step 4) are the resumed run's."""
+    import csv
+
+    def fit(root: Path, *args: str) -> None:
+        (root / "config.yaml").parent.mkdir(parents=True, exist_ok=True)
+        (root / "config.yaml").write_text(_RESUMABLE.format(root=root / "logs"))
+        code, _, err = _main("fit", "--config", str(root / "config.yaml"), *args, capsys=capsys)
+        assert code == 0, err[-3000:]
+
+    def rows(root: Path) -> list[dict[str, str]]:  # less ZeroStrategy's memory report, which each fit logs once
+        with open(root / "logs" / "lightning_logs" / "version_0" / "metrics.csv", newline="") as f:
+            return [row for row in csv.DictReader(f) if not row.get("zero/rank0_params_bytes")]
+
+    fit(tmp_path / "ref")
+    with pytest.raises(_Killed):  # one step after its checkpoint at step 4
+        fit(tmp_path / "run", "--resume=auto", "--trainer.callbacks+=tests.test_cli.KillAt",
+            "--trainer.callbacks.step=5")  # fmt: skip
+    assert [r["step"] for r in rows(tmp_path / "run") if r["train_loss"]] == ["0", "1", "2", "3", "4"]
+    fit(tmp_path / "run", "--resume=auto")
+    assert sorted(p.name for p in (tmp_path / "run" / "logs" / "lightning_logs").iterdir()) == ["version_0"]
+    assert rows(tmp_path / "run") == rows(tmp_path / "ref")

@@ -26,6 +26,7 @@ from lightning_bigtrain._compat import (
     should_accumulate,
     update_plateau_schedulers_at_restored_epoch_end,
 )
+from lightning_bigtrain._resume_logs import continue_logs, keep_csv_history
 from lightning_bigtrain.checkpointing import AtomicCheckpointIO
 from lightning_bigtrain.data.resumable import load_pending_states, make_resumable
 from lightning_bigtrain.strategies._epoch_state import EPOCH_STATE_KEY, epoch_state_for_checkpoint, restore_epoch_state
@@ -205,10 +206,12 @@ def take_progress_state(checkpoint: dict[str, Any]) -> dict[str, Any]:
 
 
 def resume_fit(trainer: L.Trainer, progress: dict[str, Any] | None, data: bool = True) -> None:
-    """At ``on_train_start``, what a resumed fit does before training, in order: the dataloaders' saved positions
+    """At ``on_train_start``, what a resumed fit does before training, in order: the logs continued from the
+    checkpoint's step (:func:`~lightning_bigtrain._resume_logs.continue_logs`), the dataloaders' saved positions
     (with ``data``), the work due after the checkpoint (:func:`run_pending_batch_end`), the saved callback metrics
     and epoch state (``progress``: :func:`take_progress_state`'s)."""
     progress = progress or {}
+    continue_logs(trainer)
     if data:
         load_pending_states(trainer)
     run_pending_batch_end(trainer)
@@ -237,6 +240,19 @@ class FaultTolerantStrategyMixin(StrategyMixinBase):
         if getattr(self, "_checkpoint_io", None) is None:
             cast(Any, self).checkpoint_io = AtomicCheckpointIO()  # the Strategy's property setter
         self._preemption = Preemption()
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self._keep_log_history()
+
+    def _keep_log_history(self) -> None:
+        """Before the loggers create their writers: a fit's CSV log in a used folder stays until ``on_train_start``
+        decides what of it a resume keeps (:mod:`lightning_bigtrain._resume_logs`)."""
+        module = self.lightning_module
+        trainer = getattr(module, "_trainer", None) if module is not None else None
+        if trainer is not None and trainer.state.fn == "fit":
+            keep_csv_history(trainer)
 
     def _keep_progress_state(self, checkpoint: dict[str, Any]) -> None:
         """Called by each strategy's ``load_checkpoint``: the callback metrics and the epoch state the checkpoint

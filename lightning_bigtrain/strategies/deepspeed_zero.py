@@ -372,6 +372,7 @@ class DeepSpeedZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, DeepSpeedStr
         if accelerator not in ("CPUAccelerator", "CUDAAccelerator"):
             raise RuntimeError(f"`DeepSpeedZeroStrategy` runs on accelerator='cpu' or 'cuda', not {accelerator}.")
         DDPStrategy.setup_environment(self)
+        self._keep_log_history()
 
     @override
     def setup_distributed(self) -> None:

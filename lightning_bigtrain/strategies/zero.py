@@ -379,6 +379,7 @@ class ZeroStrategy(FaultTolerantStrategyMixin, ZeroCommon, ModelParallelStrategy
         )
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
+        self._keep_log_history()
 
     @override
     def setup(self, trainer: L.Trainer) -> None:

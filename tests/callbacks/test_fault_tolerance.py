@@ -19,19 +19,9 @@ from lightning_bigtrain.data import FashionMNISTDataModule
 from lightning_bigtrain.models import FashionCNN
 from lightning_bigtrain.strategies import ZeroStrategy
 from lightning_bigtrain.warnings import NoEffectWarning
+from tests.helpers.tiny import TinyRegression
 
-
-@pytest.fixture(autouse=True)
-def _own_process_state():
-    """These fits run in the test process (one rank): its process group, environment (MASTER_PORT, which later
-    subprocess launches would inherit and find taken) and deterministic flag are put back afterwards."""
-    env, deterministic = dict(os.environ), torch.are_deterministic_algorithms_enabled()
-    yield
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-    os.environ.clear()
-    os.environ.update(env)
-    torch.use_deterministic_algorithms(deterministic)
+pytestmark = pytest.mark.usefixtures("in_process_fit")
 
 
 def test_bad_arguments_are_refused():
@@ -241,7 +231,7 @@ class _Crash(Exception):
     """A job killed right after a checkpoint's commit."""
 
 
-class _Validated(L.LightningModule):
+class _Validated(TinyRegression):
     """Records its validations and epoch ends (global step at each); an epoch-interval StepLR and a plateau scheduler
     on a constant validation metric (it lowers the learning rate at every update after the first; per epoch, or
     every 2 steps with ``plateau="step"``) both act on the learning rate. ``crash_at``: raise in the first hook after
@@ -249,7 +239,6 @@ class _Validated(L.LightningModule):
 
     def __init__(self, crash_at: int | None = None, plateau: str = "epoch") -> None:
         super().__init__()
-        self.layer = torch.nn.Linear(4, 1)
         self.events: list[tuple[str, int]] = []
         self.crash_at = crash_at
         self.plateau = plateau
@@ -263,9 +252,6 @@ class _Validated(L.LightningModule):
             raise _Crash(event)
         if event is not None:
             self.events.append((event, self.global_step))
-
-    def training_step(self, batch, batch_idx):
-        return (self.layer(batch[0]) - batch[1]).pow(2).mean()
 
     def on_train_batch_start(self, batch, batch_idx) -> None:
         self._next()
@@ -295,17 +281,6 @@ class _Validated(L.LightningModule):
         every = {"interval": "step", "frequency": 2} if self.plateau == "step" else {"interval": "epoch"}
         return [optimizer], [{"scheduler": step, "interval": "epoch"},
                              {"scheduler": plateau, "monitor": "constant", **every}]  # fmt: skip
-
-    def _data(self, n: int, seed: int):
-        g = torch.Generator().manual_seed(seed)
-        data = torch.utils.data.TensorDataset(torch.randn(n, 4, generator=g), torch.randn(n, 1, generator=g))
-        return torch.utils.data.DataLoader(data, batch_size=4, shuffle=seed == 0)
-
-    def train_dataloader(self):
-        return self._data(24, 0)  # 6 batches
-
-    def val_dataloader(self):
-        return self._data(8, 1)
 
 
 @pytest.mark.parametrize(

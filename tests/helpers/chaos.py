@@ -55,6 +55,7 @@ class ChaosResult:
     max_abs_diff: float
     seconds: float
     notes: list[str] = field(default_factory=list)
+    logs_identical: bool | None = None  # with ``csv_log``: the CSV log ends as the uninterrupted job's
 
     @property
     def kills_survived(self) -> int:
@@ -135,6 +136,11 @@ def _job(args: argparse.Namespace) -> int:
 
     common = {**_COMMON, "devices": args.devices, "num_nodes": setting.num_nodes}
     validation = {"val_check_interval": args.val_every, "limit_val_batches": 2} if args.val_every else {}
+    if args.csv_log:  # every launch continues the same version folder
+        from lightning.pytorch.loggers import CSVLogger
+
+        common.update(logger=CSVLogger(args.out, name="logs", version=0, flush_logs_every_n_steps=1),
+                      log_every_n_steps=1)  # fmt: skip
     trainer = L.Trainer(max_epochs=args.epochs, **{"limit_val_batches": 0, **validation}, **common, **extra)
     trainer.fit(model, datamodule=setting.data(), ckpt_path="last")
 
@@ -240,6 +246,7 @@ def _launch(
     kill_after: float | None = None,
     nodes: int = 1,
     val_every: int | None = None,
+    csv_log: bool = False,
 ) -> int:
     """One job; returns its status (``-9`` when a fault killed it). ``kill_after``: SIGKILL the whole job after
     that many seconds (a kill at a random moment), unless it finished before. ``nodes``: the job starts one process per
@@ -255,6 +262,8 @@ def _launch(
         cmd += ["--sigterm", str(sigterm)]
     if val_every is not None:
         cmd += ["--val-every", str(val_every)]
+    if csv_log:
+        cmd += ["--csv-log"]
     # A job is launched as a scheduler launches one: no rendezvous variables inherited from the test process.
     env = {k: v for k, v in os.environ.items() if k not in _RENDEZVOUS}
     # PYTHONFAULTHANDLER: a job that aborts (SIGABRT, e.g. at interpreter exit) dumps every Python thread to its log.
@@ -360,10 +369,11 @@ def run_chaos(
     faults: list[tuple[str, int, int]] | None = None,
     timed: int = 0,
     val_every: int | None = None,
+    csv_log: bool = False,
 ) -> ChaosResult:
     """Uninterrupted job, then one job per fault, then ``timed`` jobs killed at seeded random moments (a delay
     drawn from 40-95% of the uninterrupted job's wall time: inside start-up, a step, a save or a rename, wherever
-    it falls), then a job that finishes; final states compared."""
+    it falls), then a job that finishes; final states compared (and, with ``csv_log``, the jobs' CSV logs)."""
     import torch
 
     from tests.helpers.settings import by_name
@@ -374,7 +384,10 @@ def run_chaos(
     ref_dir.mkdir(parents=True, exist_ok=True)
     notes: list[str] = []
     started = time.perf_counter()
-    if launch(setting, ref_dir, "ref", epochs=epochs, every=every, nodes=nodes, val_every=val_every) != 0:
+    if (
+        launch(setting, ref_dir, "ref", epochs=epochs, every=every, nodes=nodes, val_every=val_every, csv_log=csv_log)
+        != 0
+    ):
         raise RuntimeError(f"uninterrupted run of {setting} failed: {(ref_dir / 'log-ref.txt').read_text()[-3000:]}")
     run_dir = workdir / "chaos"
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -391,12 +404,12 @@ def run_chaos(
     for i, job in enumerate(jobs):
         if isinstance(job, float):
             rc = launch(setting, run_dir, str(i), epochs=epochs, every=every, kill_after=job, nodes=nodes,
-                        val_every=val_every)  # fmt: skip
+                        val_every=val_every, csv_log=csv_log)  # fmt: skip
             if rc != -signal.SIGKILL:
                 notes.append(f"the job finished before its kill at {job} s")
         else:
             rc = launch(setting, run_dir, str(i), fault=job, epochs=epochs, every=every, nodes=nodes,
-                        val_every=val_every)  # fmt: skip
+                        val_every=val_every, csv_log=csv_log)  # fmt: skip
             if job is not None and rc != -signal.SIGKILL:
                 notes.append(f"fault {job} did not kill the job (status {rc})")
         rcs.append(rc)
@@ -413,7 +426,16 @@ def run_chaos(
     identical = all(torch.equal(a["state"], b["state"]) and a["step"] == b["step"] for a, b in pairs)
     diff = max(float((a["state"] - b["state"]).abs().max()) for a, b in pairs)
     mid = sum(1 for s in resumed[1:] if s > 0 and s % steps_per_epoch)
-    return ChaosResult(setting, list(faults), rcs, resumed, mid, identical, diff, time.perf_counter() - t0, notes)
+    logs = _csv_log(ref_dir) == _csv_log(run_dir) if csv_log else None
+    return ChaosResult(setting, list(faults), rcs, resumed, mid, identical, diff, time.perf_counter() - t0, notes, logs)
+
+
+def _csv_log(workdir: Path) -> list[dict[str, str]]:
+    """A job's CSV log, less ZeroStrategy's memory report (each launch logs its own at its first step)."""
+    import csv
+
+    with open(workdir / "logs" / "version_0" / "metrics.csv", newline="") as f:
+        return [row for row in csv.DictReader(f) if not any(v and k.startswith("zero/rank0_") for k, v in row.items())]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -434,6 +456,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kill-at", type=int, default=-1, help="data job: SIGKILL the job at this global step")
     parser.add_argument("--nodes", type=int, default=1, help="launch this many node processes (a row's num_nodes)")
     parser.add_argument("--val-every", type=int, default=None, help="validate every this many training batches")
+    parser.add_argument("--csv-log", action="store_true", help="log every step to <out>/logs/version_0/metrics.csv")
     args = parser.parse_args(argv)
     if args.nodes > 1:
         rest = list(sys.argv[1:] if argv is None else argv)

@@ -8,7 +8,6 @@ restarted from zero after any checkpoint), and a plateau scheduler on the epoch 
 
 from __future__ import annotations
 
-import os
 import shutil
 import warnings
 from pathlib import Path
@@ -23,16 +22,6 @@ from lightning_bigtrain.callbacks import FaultTolerance
 from lightning_bigtrain.strategies import ZeroStrategy
 from lightning_bigtrain.warnings import BigtrainWarning
 from tests.helpers.distributed import run_on_ranks
-
-
-@pytest.fixture
-def _own_process_state():
-    env = dict(os.environ)
-    yield
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-    os.environ.clear()
-    os.environ.update(env)
 
 
 class _Crash(Exception):
@@ -174,7 +163,7 @@ def _state(trainer, model) -> dict:
     }
 
 
-@pytest.mark.usefixtures("_own_process_state")
+@pytest.mark.usefixtures("in_process_fit")
 @pytest.mark.parametrize(
     ("kind", "crash_at", "ended"),
     [("steps", 3, 0), ("steps", 12, 0), ("steps", 15, 1), ("epoch", 12, 1), ("validation", 4, 0)],
@@ -201,7 +190,7 @@ def test_a_resume_ends_each_epoch_and_validation_with_the_uninterrupted_values(
         assert torch.equal(value, resumed["weights"][name]), name
 
 
-@pytest.mark.usefixtures("_own_process_state")
+@pytest.mark.usefixtures("in_process_fit")
 def test_a_value_logged_with_other_arguments_after_the_relaunch_drops_its_restored_aggregate(tmp_path, monkeypatch):
     """The user switched ``prog_bar`` on for one value before relaunching: Lightning would refuse the call against the
     restored entry ("twice ... with different arguments"); the restored aggregate is dropped with a warning, the
