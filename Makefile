@@ -64,6 +64,7 @@ FITS_BUDGET ?= 6GiB
 bench: venv data
 	@set -e; for b in $(BENCHES); do $(PY) -m benchmarks.$$b; done
 	$(PY) -m benchmarks.zero_memory --fits $(FITS_BUDGET)
+	$(PY) -m benchmarks.zero --allocator
 	@$(MAKE) --no-print-directory figures
 
 bench-quick: venv data

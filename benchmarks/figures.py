@@ -333,6 +333,12 @@ BLOCKS: dict[str, Block] = {
         Block("zero", _module("benchmarks.zero"), ("docs/zero.md",), ("zero.json",)),
         Block("zero-memory", _module("benchmarks.zero_memory"), ("docs/zero.md",), ("zero_memory.json",)),
         Block(
+            "zero-allocator",
+            _module("benchmarks.zero", "render_allocator_block"),
+            ("docs/zero.md",),
+            ("zero_allocator.json",),
+        ),
+        Block(
             "activation-checkpointing",
             _module("benchmarks.activation_checkpointing"),
             ("docs/zero.md",),

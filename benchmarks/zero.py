@@ -45,12 +45,14 @@ CONFIGS = ("ddp", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload", "
 DEFAULT_CONFIGS = CONFIGS  # offload on DeepSpeed's engine is the same run on CPU too: left out
 
 
-def worker(config: str, steps: int, quick: bool, out: str) -> None:
+def worker(config: str, steps: int, quick: bool, out: str, mmap_threshold: str = "default") -> None:
+    import resource
+
     import lightning as L
 
     from benchmarks.common import zero_benchmark_model
     from lightning_bigtrain.callbacks import RunReport
-    from lightning_bigtrain.strategies import zero_strategy
+    from lightning_bigtrain.strategies import ZeroOptions, zero_strategy
 
     data, model, psi = zero_benchmark_model(quick)
     if config == "ddp":
@@ -59,8 +61,13 @@ def worker(config: str, steps: int, quick: bool, out: str) -> None:
         engine = "deepspeed" if config.startswith("ds_") else "torch"
         stage = int(config.removeprefix("ds_")[4])
         offload = config.endswith("offload")
+        options = (
+            {}
+            if mmap_threshold == "default"
+            else {"options": ZeroOptions(host_mmap_threshold=_threshold(mmap_threshold))}
+        )
         strategy = zero_strategy(stage, engine=engine, offload_optimizer=offload,
-                                offload_params=offload and stage == 3)  # fmt: skip
+                                offload_params=offload and stage == 3, **options)  # fmt: skip
     report = RunReport(warmup_steps=2, verbose=False)
 
     class StepCounter(L.Callback):
@@ -86,9 +93,11 @@ def worker(config: str, steps: int, quick: bool, out: str) -> None:
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             if batch_idx == 2:
                 self.start = self._read(trainer)
+                self.faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
         def on_train_end(self, trainer, pl_module):
             self.end = self._read(trainer)
+            self.faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - self.faults
 
     ddp_sent = {"bytes": 0.0}
     steps_cb = StepCounter()
@@ -105,8 +114,19 @@ def worker(config: str, steps: int, quick: bool, out: str) -> None:
     if trainer.is_global_zero:
         result = {**report.report, "psi": psi, "bytes_sent_per_step": own, "bytes_sent_wrapped": wrapped,
                   "step_seconds": report.report["seconds"] / timed, "world_size": trainer.world_size,
+                  "page_faults_per_step": steps_cb.faults / timed,
                   "bytes_sent_source": "comm hook" if config == "ddp" else "strategy"}  # fmt: skip
         Path(out).write_text(json.dumps(result))
+
+
+THRESHOLDS = ("none", "8MiB", "128KiB")  # the allocator sweep: glibc's own, the default, the previous default
+
+
+def _threshold(text: str) -> int | None:
+    """``ZeroOptions(host_mmap_threshold=...)`` from a sweep label: ``none`` leaves glibc's own (dynamic) one."""
+    from lightning_bigtrain.functional.memory import parse_bytes
+
+    return None if text == "none" else parse_bytes(text)
 
 
 def theory_bytes(config: str, psi: int, n: int = 2) -> float:
@@ -122,13 +142,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
     parser.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS),
                         help="subset to run (ddp, the peer, always runs)")  # fmt: skip
+    parser.add_argument("--allocator", action="store_true",
+                        help="the host allocator sweep: stages 1 and 3 at each ZeroOptions(host_mmap_threshold) "
+                             "of THRESHOLDS against DDP (results/zero_allocator.json)")  # fmt: skip
     parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--mmap-threshold", default="default", help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=8, help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        worker(args.worker, args.steps, args.quick, args.out)
+        worker(args.worker, args.steps, args.quick, args.out, args.mmap_threshold)
         return {}
+    if args.allocator:
+        return allocator(args.quick, args.repeats or (1 if args.quick else 3), args.results_dir, argv)
 
     repeats = args.repeats or (1 if args.quick else 3)
     steps = 5 if args.quick else 8
@@ -210,6 +236,76 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     path = write_results("zero", payload, headline, args.results_dir, command=command_line("benchmarks.zero", argv))
     print(f"wrote {path}")
     return figures
+
+
+def allocator(quick: bool, repeats: int, results_dir: Path, argv: list[str] | None) -> dict[str, Any]:
+    """Step time, peak RSS and page faults per step of ZeRO stages 1 and 3 at each host mmap threshold, against DDP
+    in the same run (each configuration in fresh processes, alternating)."""
+    steps = 5 if quick else 8
+    extra = ["--quick"] if quick else []
+
+    def run(config: str, threshold: str) -> dict[str, Any]:
+        return run_worker("benchmarks.zero", ["--worker", config, "--steps", str(steps), "--mmap-threshold", threshold,
+                                              *extra])  # fmt: skip
+
+    candidates = {"ddp": lambda: run("ddp", "default")}
+    for stage in (1, 3):
+        for threshold in THRESHOLDS:
+            candidates[f"zero{stage}@{threshold}"] = lambda s=stage, t=threshold: run(f"zero{s}", t)
+    run("ddp", "default")  # warm-up, discarded
+    measured = alternate(candidates, repeats)
+    ddp_time = summarize([r["step_seconds"] for r in measured["ddp"]])["median"]
+    ddp_rss = max(max(r["peak_memory_bytes_per_rank"]) for r in measured["ddp"])
+    figures, rows = {}, []
+    for name, runs in measured.items():
+        step = summarize([r["step_seconds"] for r in runs])
+        rss = max(max(r["peak_memory_bytes_per_rank"]) for r in runs)
+        faults = summarize([r["page_faults_per_step"] for r in runs])["median"]
+        figures[name] = {"step_seconds": step, "step_time_over_ddp": ratio(step["median"], ddp_time),
+                         "peak_rss_bytes": rss, "peak_rss_over_ddp": ratio(rss, ddp_rss),
+                         "page_faults_per_step": faults}  # fmt: skip
+        rows.append({"config": name, "step s": step["median"], "step / DDP": figures[name]["step_time_over_ddp"],
+                     "peak RSS MiB": rss / 2**20, "RSS / DDP": figures[name]["peak_rss_over_ddp"],
+                     "page faults / step": faults})  # fmt: skip
+    print(f"\nHost allocator: ZeRO at each host_mmap_threshold vs DDP ({repeats} repeats, medians)")
+    table = print_table(rows, list(rows[0]))
+    headline = ", ".join(f"{n}: step x{f['step_time_over_ddp']:.2f}, RSS x{f['peak_rss_over_ddp']:.2f}"
+                         for n, f in figures.items() if n != "ddp")  # fmt: skip
+    payload = {"config": {"repeats": repeats, "steps": steps, "quick": quick, "thresholds": list(THRESHOLDS)},
+               "figures": figures, "table": table}  # fmt: skip
+    path = write_results("zero_allocator", payload, headline, results_dir,
+                         command=command_line("benchmarks.zero", argv))  # fmt: skip
+    print(f"wrote {path}")
+    return figures
+
+
+def render_allocator_block(results_dir: Path = RESULTS_DIR) -> str:
+    """The ``zero-allocator`` figure block (docs/zero.md), from ``results/zero_allocator.json``."""
+    from benchmarks.common import load_results, measured_line, sig, times
+
+    results = load_results(results_dir, "zero_allocator.json")
+    f, cfg = results["figures"], results.get("config", {})
+    lines = [
+        measured_line(results, "zero_allocator.json", results_dir),
+        "",
+        f"The char-GPT above, fp32 AdamW, 2 CPU ranks, {cfg.get('steps', '?')} steps per run, "
+        f"{cfg.get('repeats', '?')} alternating repeats in fresh processes; ratios to DDP in the same run. Page "
+        "faults: minor faults per step of rank 0 (memory the kernel maps and zeroes).",
+        "",
+        "| configuration | `host_mmap_threshold` | step time, s: median (min-max) | step / DDP | peak RSS per rank, "
+        "MiB | RSS / DDP | page faults per step |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, r in f.items():
+        config, _, threshold = name.partition("@")
+        step = r["step_seconds"]
+        label = {"none": "None (glibc's own)", "": "-"}.get(threshold, threshold)
+        lines.append(
+            f"| {NAMES.get(config, config)} | {label} | {sig(step['median'])} ({sig(step['min'])}-{sig(step['max'])})"
+            f" | {times(r['step_time_over_ddp'])} | {sig(r['peak_rss_bytes'] / 2**20)} | "
+            f"{times(r['peak_rss_over_ddp'])} | {sig(r['page_faults_per_step'])} |"
+        )
+    return "\n".join(lines)
 
 
 NAMES = {"ddp": "DDP (Lightning)", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3",

@@ -129,9 +129,15 @@ class ZeroOptions:
             done). glibc raises this threshold each time a large block is freed, after which the gathered units,
             gradient buckets and optimizer temporaries of every step come from its heap, where freed memory is kept
             and fragments: the process's resident memory then grows far above what the tensors hold (measured in
-            ``benchmarks/zero_memory.py``; docs/zero.md). Fixing the threshold keeps it near what is live, at no
-            measured cost in step time. Acts when the sharded states are in host memory (``accelerator="cpu"``
-            or offloading); ``None`` leaves the allocator alone. The setting is process-wide.
+            ``benchmarks/zero_memory.py``; docs/zero.md). Fixing the threshold keeps it nearer what is live. Every
+            block served by ``mmap`` is new memory the kernel maps and zeroes, page by page, when it is first
+            touched: the lower the threshold, the more of each step's allocations pay that. The default, 8 MiB,
+            returns the per-step blocks of that size and more (gathered units, gradient and optimizer temporaries
+            of large layers) and keeps activation-sized ones in the heap: 128 KiB (the default before) saves more
+            resident memory and slows every step more (step time, peak RSS and page faults at each setting:
+            ``python -m benchmarks.zero --allocator``, docs/zero.md). Acts when the sharded states are in host
+            memory (``accelerator="cpu"`` or offloading); ``None`` leaves the allocator alone. The setting is
+            process-wide.
     """
 
     save_distributed_checkpoint: bool = True
@@ -141,13 +147,13 @@ class ZeroOptions:
     process_group_backend: str | None = None
     timeout: timedelta | None = default_pg_timeout
     async_checkpoint: bool = False
-    host_mmap_threshold: int | None = 128 * 1024
+    host_mmap_threshold: int | None = 8 * 2**20
 
     def __post_init__(self) -> None:
         threshold = self.host_mmap_threshold
         if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0):
             raise ValueError(
-                f"`ZeroOptions(host_mmap_threshold={threshold!r})`: give a number of bytes >= 0 (e.g. 131072), "
+                f"`ZeroOptions(host_mmap_threshold={threshold!r})`: give a number of bytes >= 0 (e.g. 8388608), "
                 "or None to leave the host allocator alone."
             )
         if self.start_method not in get_args(StartMethod):

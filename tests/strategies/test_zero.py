@@ -129,7 +129,7 @@ def test_host_mmap_threshold_warns_where_it_cannot_act(monkeypatch):
     from lightning_bigtrain.warnings import NoEffectWarning
 
     monkeypatch.setattr(common, "set_mmap_threshold", lambda nbytes: False)  # a C library without mallopt
-    with pytest.warns(NoEffectWarning, match=r"host_mmap_threshold=131072\)` has no effect"):
+    with pytest.warns(NoEffectWarning, match=r"host_mmap_threshold=8388608\)` has no effect"):
         ZeroStrategy(3)._fix_host_allocator(states_on_host=True)
 
 
