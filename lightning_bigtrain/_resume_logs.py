@@ -120,22 +120,20 @@ def _read_rows(fs: Any, path: str) -> tuple[list[str], list[dict[str, str]]]:
         return list(reader.fieldnames or []), rows
 
 
+def _read_header(fs: Any, path: str) -> list[str]:
+    with fs.open(path, "r", newline="") as f:
+        return next(csv.reader(f), [])
+
+
 def _write_rows(fs: Any, path: str, header: list[str], rows: list[dict[str, str]]) -> None:
-    """Replace ``path`` by ``header`` and ``rows``: atomically where the filesystem renames."""
+    """Replace ``path`` by ``header`` and ``rows``, whole (a renamed temporary file where the filesystem renames)."""
+    from lightning_bigtrain.data.streaming import _put_whole
+
     buffer = io.StringIO(newline="")
     writer = csv.DictWriter(buffer, fieldnames=header)
     writer.writeheader()
     writer.writerows(rows)
-    if "file" in fs.protocol:
-        staging = f"{path}.partial-{os.getpid()}"
-        with open(staging, "w", newline="") as f:
-            f.write(buffer.getvalue())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(staging, path)
-        return
-    with fs.open(path, "w", newline="") as f:
-        f.write(buffer.getvalue())
+    _put_whole(fs, path, buffer.getvalue().encode())
 
 
 def keep_csv_history(trainer: Any) -> None:
